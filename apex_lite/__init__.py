@@ -1,0 +1,2 @@
+"""apex_lite: mixed-precision training for PyTorch with apex.amp's API."""
+__version__ = "0.1.0"
