@@ -16,7 +16,7 @@ import torch
 
 from . import casting
 from .opt_levels import Properties, resolve_properties
-from .optimizer import AmpOptimizer
+from .optimizer import UNSCALED, AmpOptimizer
 from .overflow import OverflowCheck, is_logging_rank
 from .scaler import DEFAULT_SCALE_WINDOW, LossScaler
 
@@ -313,8 +313,12 @@ class AmpHandle:
             for amp_opt, stash in zip(amp_opts, stashes):
                 amp_opt.restore_stash(stash)
             raise
-        check = None if delay_unscale else OverflowCheck(
-            scaler, loss, verbosity=run.verbosity, process_group=run.process_group)
+        check = None
+        if not delay_unscale:
+            inherited = [c for amp_opt in amp_opts if amp_opt.grad_state == UNSCALED
+                         for c in amp_opt.checks]
+            check = OverflowCheck(scaler, loss, verbosity=run.verbosity,
+                                  process_group=run.process_group, inherited=inherited)
         for amp_opt, stash in zip(amp_opts, stashes):
             amp_opt.after_backward(stash, loss_scale, loss_id, delay_unscale, check)
         if check is not None and not delay_overflow_check:

@@ -9,7 +9,7 @@ and answers whether the optimizers that hold it must skip their step.
 from __future__ import annotations
 
 import logging
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -35,8 +35,11 @@ class OverflowCheck:
     """The flags of one unscale, for one loss scaler."""
 
     def __init__(self, scaler: LossScaler, loss: torch.Tensor, *, verbosity: int,
-                 process_group=None):
+                 process_group=None, inherited: Sequence["OverflowCheck"] = ()):
         self.scaler = scaler
+        # Checks of earlier losses whose unscaled gradients this unscale adds to: the kernels
+        # flag those too, so an overflow they carried in is charged to their scalers, not ours.
+        self.inherited = list(inherited)
         self.loss = loss.detach()
         self.found_infs: Dict[torch.device, torch.Tensor] = {}
         self.verbosity = verbosity
@@ -69,6 +72,9 @@ class OverflowCheck:
         value = flags.item()
         self.overflow = value != 0.0
         self.loss_nonfinite = value >= _LOSS_NONFINITE
+        if self.overflow and not self.loss_nonfinite \
+                and any([check.resolve() for check in self.inherited]):
+            return self.overflow    # skipped, and already charged to the earlier loss's scaler
         old_scale = self.scaler.loss_scale
         self.scaler.update(self.overflow)
         if self.overflow and self.verbosity >= 1 and is_logging_rank():
