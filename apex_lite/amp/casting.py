@@ -115,7 +115,6 @@ def cast_model(model: torch.nn.Module, dtype: torch.dtype,
     """Cast the floating parameters and buffers of ``model`` to ``dtype`` in place (Parameter
     objects keep their identity), except inside the ``kept`` modules, whose forward is wrapped
     to run in fp32 and hand ``dtype`` back to the half layers after them."""
-    kept_ids = {id(m) for _, m in kept}
     skip: Set[int] = set()
     for _, module in kept:
         skip.update(id(m) for m in module.modules())
@@ -127,8 +126,7 @@ def cast_model(model: torch.nn.Module, dtype: torch.dtype,
         if id(module) not in skip:
             module._apply(to_half, recurse=False)
     for _, module in kept:
-        if id(module) in kept_ids:
-            wrap_forward(module, input_dtype=torch.float32, output_dtype=dtype)
+        wrap_forward(module, input_dtype=torch.float32, output_dtype=dtype)
 
 
 # ---- apex's function decorators -------------------------------------------------------------

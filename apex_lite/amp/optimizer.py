@@ -139,6 +139,12 @@ class AmpOptimizer:
         accumulate = self.grad_state == UNSCALED
         for device, group in self.groups().items():
             found_inf = check.found_inf(device)
+            if not accumulate and not stash and not group.half_models:
+                # The common O0/O1/O3 step: every gradient is unscaled where it stands.
+                grads = [g for g in [p.grad for p in group.masters] if g is not None]
+                if grads:
+                    multi_tensor.scale(grads, grads, inv_scale, found_inf)
+                continue
             fresh_in: List[torch.Tensor] = []
             fresh_out: List[torch.Tensor] = []
             acc_new: List[torch.Tensor] = []

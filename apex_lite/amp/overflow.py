@@ -9,6 +9,7 @@ and answers whether the optimizers that hold it must skip their step.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Dict, Optional, Sequence
 
 import torch
@@ -17,10 +18,6 @@ import torch.distributed as dist
 from .scaler import LossScaler
 
 logger = logging.getLogger("apex_lite.amp")
-
-# Bits of the value read at the decision.
-_GRADS_NONFINITE = 1.0
-_LOSS_NONFINITE = 2.0
 
 
 def distributed_active() -> bool:
@@ -63,15 +60,21 @@ class OverflowCheck:
         for flag in self.found_infs.values():
             flag = flag.to(device)
             grads_bad = flag if grads_bad is None else torch.maximum(grads_bad, flag)
-        loss_bad = torch.isfinite(self.loss).logical_not().to(torch.float32).reshape(1)
-        flags = loss_bad * _LOSS_NONFINITE
-        if grads_bad is not None:
-            flags = flags + grads_bad
+        if grads_bad is None:
+            grads_bad = torch.zeros(1, dtype=torch.float32, device=device)
         if distributed_active():
+            # Every rank must reach the same decision: reduce the two flags, not the loss.
+            loss_bad = torch.isfinite(self.loss).logical_not().to(torch.float32).reshape(1)
+            flags = torch.cat([grads_bad, loss_bad])
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
-        value = flags.item()
-        self.overflow = value != 0.0
-        self.loss_nonfinite = value >= _LOSS_NONFINITE
+            grads_flag, loss_flag = flags.tolist()
+            self.loss_nonfinite = loss_flag != 0.0
+        else:
+            # One small copy to the host carries the flag and the loss value.
+            grads_flag, loss_value = torch.cat(
+                [grads_bad, self.loss.reshape(1).to(torch.float32)]).tolist()
+            self.loss_nonfinite = not math.isfinite(loss_value)
+        self.overflow = grads_flag != 0.0 or self.loss_nonfinite
         if self.overflow and not self.loss_nonfinite \
                 and any([check.resolve() for check in self.inherited]):
             return self.overflow    # skipped, and already charged to the earlier loss's scaler
