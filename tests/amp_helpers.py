@@ -1,5 +1,8 @@
 """Small models and data shared by the amp tests (and the resume worker script)."""
+import pytest
 import torch
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 class Net(torch.nn.Module):

@@ -12,5 +12,3 @@ def fresh_amp_handle(monkeypatch):
     torch.manual_seed(0)
     return handle
 
-
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
