@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from amp_helpers import Net, batch, snapshot, assert_bitwise_equal, train_step
+from amp_helpers import Net, snapshot, assert_bitwise_equal, train_step
 from apex_lite import amp
 
 SPECS = ["O0", "O1", "O2", "O3", "O2:fp16"]

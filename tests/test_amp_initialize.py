@@ -156,8 +156,9 @@ def test_bad_keep_fp32_modules(kwargs, message):
     assert model.fc1.weight.dtype == torch.float32
 
 
-def test_initialized_model_still_pickles():
-    model = amp.initialize(Net(), opt_level="O1", verbosity=0)
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_initialized_model_still_pickles(level):
+    model = amp.initialize(Net(), opt_level=level, verbosity=0)
     clone = pickle.loads(pickle.dumps(model))
     x = torch.randn(4, 8)
     model.eval(), clone.eval()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import functools
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Set, Tuple
 
 import torch
 

@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from . import casting
-from .opt_levels import Properties, resolve_properties
+from .opt_levels import OPT_LEVELS, Properties, resolve_properties
 from .optimizer import UNSCALED, AmpOptimizer
 from .overflow import OverflowCheck, is_logging_rank
 from .scaler import DEFAULT_SCALE_WINDOW, LossScaler
@@ -218,7 +218,7 @@ class AmpHandle:
         self._run = run
         if verbosity >= 1 and is_logging_rank():
             logger.info("Selected optimization level %s: %s", opt_level,
-                        _level_brief(opt_level))
+                        OPT_LEVELS[opt_level].brief)
             logger.info("Defaults for this optimization level, with overrides applied: %s",
                         properties.describe())
         return result()
@@ -431,35 +431,37 @@ class AmpHandle:
                 yield p
 
 
-def _level_brief(opt_level: str) -> str:
-    from .opt_levels import OPT_LEVELS
-    return OPT_LEVELS[opt_level].brief
-
-
-def _follow_model_loads(model: torch.nn.Module, pairs: List[tuple]) -> None:
+class _MastersFollowModelLoads:
     """Keep O2 masters in step with ``model.load_state_dict`` after initialize: an incoming fp32
     value becomes the master exactly; an incoming half value replaces the master only when it
     differs from the master's rounding (so loading the half weights a run saved keeps the masters
-    that ``amp.load_state_dict`` restored, in either order)."""
-    incoming: Dict[int, torch.Tensor] = {}
+    that ``amp.load_state_dict`` restored, in either order). A module-level class with bound-
+    method hooks, so that the model still pickles."""
 
-    def capture(module, state_dict, prefix, *args):
-        incoming.clear()
-        for name, _, master in pairs:
+    def __init__(self, pairs: List[tuple]):
+        self.pairs = pairs
+        self.incoming: Dict[int, torch.Tensor] = {}
+
+    def capture(self, module, state_dict, prefix, *args):
+        self.incoming.clear()
+        for name, _, master in self.pairs:
             value = state_dict.get(prefix + name)
             if isinstance(value, torch.Tensor) and value.dtype == torch.float32 \
                     and value.shape == master.shape:
-                incoming[id(master)] = value
+                self.incoming[id(master)] = value
 
-    def apply(module, incompatible_keys):
+    def apply(self, module, incompatible_keys):
         with torch.no_grad():
-            for _, model_param, master in pairs:
-                value = incoming.get(id(master))
+            for _, model_param, master in self.pairs:
+                value = self.incoming.get(id(master))
                 if value is not None:
                     master.copy_(value)
                 elif not torch.equal(master.to(model_param.dtype), model_param):
                     master.copy_(model_param)
-        incoming.clear()
+        self.incoming.clear()
 
-    model.register_load_state_dict_pre_hook(capture)
-    model.register_load_state_dict_post_hook(apply)
+
+def _follow_model_loads(model: torch.nn.Module, pairs: List[tuple]) -> None:
+    follower = _MastersFollowModelLoads(pairs)
+    model.register_load_state_dict_pre_hook(follower.capture)
+    model.register_load_state_dict_post_hook(follower.apply)

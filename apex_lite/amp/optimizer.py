@@ -1,8 +1,8 @@
 """An optimizer under amp: unscaling its gradients, skipping its step, and O2's master weights.
 
-``initialize`` patches four methods on the optimizer instance (its class and its identity stay,
-so LR schedulers created before or after keep working): ``step``, ``zero_grad``,
-``add_param_group`` and nothing else; ``state_dict`` / ``load_state_dict`` need no patch because
+``initialize`` patches three methods on the optimizer instance (its class and its identity stay,
+so LR schedulers created before or after keep working): ``step``, ``zero_grad`` and
+``add_param_group``; ``state_dict`` / ``load_state_dict`` need no patch because
 under O2 the ``param_groups`` hold the fp32 masters themselves, so optimizer state is keyed by,
 saved from and loaded into fp32 tensors.
 
