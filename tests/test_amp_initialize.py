@@ -333,3 +333,20 @@ def test_initialize_logs_the_level_subject_to_verbosity(caplog):
     caplog.clear()
     amp.initialize(Net(), opt_level="O2", verbosity=0)
     assert caplog.text == ""
+
+
+@pytest.mark.parametrize("level, kwargs, out_dtype, bn_dtype", [
+    ("O1", dict(cast_model_outputs=torch.float32), torch.float32, torch.float32),
+    ("O1", dict(patch_torch_functions=False), torch.float32, torch.float32),
+    ("O2", dict(keep_batchnorm_fp32="False"), torch.float32, torch.bfloat16),
+    ("O3", dict(keep_batchnorm_fp32=True), torch.float32, torch.float32),
+    ("O3", dict(cast_model_outputs=torch.bfloat16), torch.bfloat16, torch.bfloat16),
+])
+def test_overrides_take_effect(level, kwargs, out_dtype, bn_dtype):
+    model, opt = _model_and_opt()
+    model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0, **kwargs)
+    out = model(batch(0)[0])
+    assert out.dtype == out_dtype and model.bn.weight.dtype == bn_dtype
+    with amp.scale_loss(out.float().mean(), opt) as scaled:
+        scaled.backward()
+    opt.step()

@@ -119,6 +119,21 @@ def test_static_scale_skip_is_logged_and_verbosity_zero_is_silent(caplog):
     hook.remove()
 
 
+def test_hysteresis_keyword_delays_the_halving(caplog):
+    model, opt = _setup("O2", hysteresis=2, verbosity=1)
+    scaler = amp.default_handle()._run.scalers[0]
+    hook = inject_inf(model.fc2.bias)
+    with caplog.at_level(logging.WARNING, logger="apex_lite.amp"):
+        train_step(model, opt, 0, amp)
+        assert scaler.loss_scale == 65536.0 and scaler.last_step_skipped
+        train_step(model, opt, 1, amp)
+    hook.remove()
+    assert scaler.loss_scale == 32768.0 and scaler.skipped_steps == 2
+    assert "keeping loss scale 65536.0 (hysteresis: 1 more overflow(s) before it is reduced)" \
+        in caplog.text
+    assert SKIP_LINE in caplog.text
+
+
 def test_growth_after_the_window_in_training():
     model, opt = _setup("O2", scale_window=4)
     for step in range(4):
