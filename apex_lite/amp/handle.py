@@ -28,10 +28,10 @@ _MARK = "_apex_lite_amp"
 
 
 def _as_list(value, kind: type, what: str):
-    """(list, was_list) as apex accepts: one object or a list of them."""
+    """(list, was_list) as apex accepts: one object or a list (or tuple) of them."""
     if isinstance(value, kind):
         return [value], False
-    if isinstance(value, list):
+    if isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
             if not isinstance(item, kind):
                 raise TypeError(f"{what}[{i}] is a {type(item).__name__}, not a "
