@@ -350,3 +350,15 @@ def test_overrides_take_effect(level, kwargs, out_dtype, bn_dtype):
     with amp.scale_loss(out.float().mean(), opt) as scaled:
         scaled.backward()
     opt.step()
+
+
+def test_a_parameter_shared_by_two_models_gets_one_master_from_its_fp32_value():
+    shared = torch.nn.Linear(4, 4)
+    first, second = torch.nn.Sequential(shared, torch.nn.Linear(4, 2)), \
+        torch.nn.Sequential(shared, torch.nn.Linear(4, 3))
+    original = shared.weight.detach().clone()
+    opt = torch.optim.SGD(list(first.parameters()) + list(second[1].parameters()), lr=0.1)
+    [first, second], opt = amp.initialize([first, second], opt, opt_level="O2", verbosity=0)
+    masters = [m for m in amp.master_params(opt) if m.shape == original.shape]
+    assert len(masters) == 1
+    torch.testing.assert_close(masters[0], original, rtol=0, atol=0)

@@ -235,11 +235,14 @@ class AmpHandle:
                 # Masters from the original fp32 values, before the cast rounds them.
                 for name, p in model.named_parameters():
                     if p.is_floating_point() and id(p) not in kept_params:
-                        master = p.detach().clone()
-                        master.requires_grad_(p.requires_grad)
+                        # A parameter shared with a model prepared before keeps its master.
+                        master = run.master_of.get(p)
+                        if master is None:
+                            master = p.detach().clone()
+                            master.requires_grad_(p.requires_grad)
+                            run.master_of[p] = master
+                            run.model_of[master] = p
                         run.master_pairs[index].append((name, p, master))
-                        run.master_of[p] = master
-                        run.model_of[master] = p
             casting.cast_model(model, cast_type, kept)
             if run.master_pairs[index]:
                 _follow_model_loads(model, run.master_pairs[index])
