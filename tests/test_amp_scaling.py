@@ -103,6 +103,20 @@ def test_nonfinite_loss_is_named_as_such(caplog):
             ) in caplog.text
 
 
+def test_nonfinite_loss_in_a_delayed_micro_batch_is_named(caplog):
+    model, opt = _setup("O2", verbosity=1)
+    x = batch(0)[0]
+    with amp.scale_loss(model(x).sum() * float("inf"), opt, delay_unscale=True) as scaled:
+        scaled.backward()
+    with caplog.at_level(logging.WARNING, logger="apex_lite.amp"):
+        with amp.scale_loss(model(x).sum(), opt) as scaled:
+            scaled.backward()
+    assert "Loss is inf or NaN" in caplog.text
+    before = snapshot(model, opt)
+    opt.step()
+    assert_bitwise_equal(before, snapshot(model, opt))
+
+
 def test_static_scale_skip_is_logged_and_verbosity_zero_is_silent(caplog):
     model, opt = _setup("O2", loss_scale=128.0, verbosity=1)
     hook = inject_inf(model.fc2.bias)

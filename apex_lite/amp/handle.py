@@ -320,10 +320,12 @@ class AmpHandle:
         if not delay_unscale:
             inherited = [c for amp_opt in amp_opts if amp_opt.grad_state == UNSCALED
                          for c in amp_opt.checks]
+            delayed = [l for amp_opt in amp_opts for l in amp_opt.pending_losses]
             check = OverflowCheck(scaler, loss, verbosity=run.verbosity,
-                                  process_group=run.process_group, inherited=inherited)
+                                  process_group=run.process_group, inherited=inherited,
+                                  delayed_losses=delayed)
         for amp_opt, stash in zip(amp_opts, stashes):
-            amp_opt.after_backward(stash, loss_scale, loss_id, delay_unscale, check)
+            amp_opt.after_backward(stash, loss, loss_scale, loss_id, delay_unscale, check)
         if check is not None and not delay_overflow_check:
             check.resolve()
 

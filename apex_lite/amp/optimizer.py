@@ -47,6 +47,7 @@ class AmpOptimizer:
         self.grad_state = CLEAN
         self.pending_scale: Optional[float] = None   # the scale of SCALED gradients
         self.pending_loss_id: Optional[int] = None
+        self.pending_losses: List[torch.Tensor] = []   # the losses behind SCALED gradients
         self.checks: List[OverflowCheck] = []
         self._groups: Optional[Dict[torch.device, _DeviceGroup]] = None
         self._original_step = optimizer.step
@@ -121,8 +122,9 @@ class AmpOptimizer:
                 if old is not None:
                     master.grad = old
 
-    def after_backward(self, stash: Dict[int, torch.Tensor], loss_scale: float, loss_id: int,
-                       delay_unscale: bool, check: Optional[OverflowCheck]) -> None:
+    def after_backward(self, stash: Dict[int, torch.Tensor], loss: torch.Tensor,
+                       loss_scale: float, loss_id: int, delay_unscale: bool,
+                       check: Optional[OverflowCheck]) -> None:
         """Unscale the new gradients into the masters' gradients, adding the stash, flagging
         non-finite values in ``check``; or, with ``delay_unscale``, leave them scaled."""
         if delay_unscale:
@@ -134,6 +136,7 @@ class AmpOptimizer:
             self.grad_state = SCALED
             self.pending_scale = loss_scale
             self.pending_loss_id = loss_id
+            self.pending_losses.append(loss.detach())
             return
         inv_scale = 1.0 / loss_scale
         accumulate = self.grad_state == UNSCALED
@@ -186,6 +189,7 @@ class AmpOptimizer:
         self.grad_state = UNSCALED
         self.pending_scale = None
         self.pending_loss_id = None
+        self.pending_losses = []
         self.checks.append(check)
 
     # ---- the patched methods --------------------------------------------------------------
@@ -236,6 +240,7 @@ class AmpOptimizer:
         self.grad_state = CLEAN
         self.pending_scale = None
         self.pending_loss_id = None
+        self.pending_losses = []
         self.checks = []
 
     def add_param_group(self, param_group: dict) -> None:

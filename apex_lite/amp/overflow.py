@@ -32,12 +32,16 @@ class OverflowCheck:
     """The flags of one unscale, for one loss scaler."""
 
     def __init__(self, scaler: LossScaler, loss: torch.Tensor, *, verbosity: int,
-                 process_group=None, inherited: Sequence["OverflowCheck"] = ()):
+                 process_group=None, inherited: Sequence["OverflowCheck"] = (),
+                 delayed_losses: Sequence[torch.Tensor] = ()):
         self.scaler = scaler
         # Checks of earlier losses whose unscaled gradients this unscale adds to: the kernels
         # flag those too, so an overflow they carried in is charged to their scalers, not ours.
         self.inherited = list(inherited)
         self.loss = loss.detach()
+        # Losses of earlier delay_unscale=True backwards whose gradients this unscale finishes.
+        self.losses = [l.detach().reshape(1).to(torch.float32)
+                       for l in list(delayed_losses) + [loss]]
         self.found_infs: Dict[torch.device, torch.Tensor] = {}
         self.verbosity = verbosity
         self.process_group = process_group
@@ -64,16 +68,17 @@ class OverflowCheck:
             grads_bad = torch.zeros(1, dtype=torch.float32, device=device)
         if distributed_active():
             # Every rank must reach the same decision: reduce the two flags, not the loss.
-            loss_bad = torch.isfinite(self.loss).logical_not().to(torch.float32).reshape(1)
+            losses = torch.cat([l.to(device) for l in self.losses])
+            loss_bad = torch.isfinite(losses).logical_not().any().to(torch.float32).reshape(1)
             flags = torch.cat([grads_bad, loss_bad])
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
             grads_flag, loss_flag = flags.tolist()
             self.loss_nonfinite = loss_flag != 0.0
         else:
-            # One small copy to the host carries the flag and the loss value.
-            grads_flag, loss_value = torch.cat(
-                [grads_bad, self.loss.reshape(1).to(torch.float32)]).tolist()
-            self.loss_nonfinite = not math.isfinite(loss_value)
+            # One small copy to the host carries the flag and the loss values.
+            grads_flag, *loss_values = torch.cat(
+                [grads_bad] + [l.to(device) for l in self.losses]).tolist()
+            self.loss_nonfinite = not all(math.isfinite(v) for v in loss_values)
         self.overflow = grads_flag != 0.0 or self.loss_nonfinite
         if self.overflow and not self.loss_nonfinite \
                 and any([check.resolve() for check in self.inherited]):
