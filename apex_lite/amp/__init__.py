@@ -19,7 +19,7 @@ from .opt_levels import OPT_LEVELS, OptLevel, Properties
 from .scaler import DEFAULT_SCALE_WINDOW, LossScaler
 
 __all__ = [
-    "initialize", "scale_loss", "state_dict", "load_state_dict", "master_params",
+    "initialize", "scale_loss", "state_dict", "load_state_dict", "master_params", "loss_scalers",
     "half_function", "float_function", "promote_function", "register_half_function",
     "register_float_function", "register_promote_function", "disable_casts", "AmpHandle",
     "OPT_LEVELS", "OptLevel", "Properties", "LossScaler", "default_handle",
@@ -83,6 +83,13 @@ def state_dict(destination=None) -> dict:
 def load_state_dict(state_dict) -> None:
     """Load a state written by ``state_dict()`` (or by apex); refuses one that does not fit."""
     _default_handle.load_state_dict(state_dict)
+
+
+def loss_scalers():
+    """The loss scalers of the current run, one per ``loss_id``. Each has ``loss_scale``,
+    ``steps``, ``skipped_steps`` and ``last_step_skipped`` (was the latest step skipped?), host
+    values that cost no sync to read."""
+    return _default_handle.loss_scalers()
 
 
 def master_params(optimizer):

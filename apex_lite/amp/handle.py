@@ -429,6 +429,12 @@ class AmpHandle:
                                      f"torch.float32")
 
     # ---- helpers ----------------------------------------------------------------------------
+    def loss_scalers(self) -> List[LossScaler]:
+        """The current run's loss scalers, one per ``loss_id`` (empty before ``initialize`` and
+        when it was disabled). Their counters are host values: reading them never syncs."""
+        run = self._run
+        return list(run.scalers) if run is not None and run.enabled else []
+
     def master_params(self, optimizer: torch.optim.Optimizer):
         """The tensors ``optimizer`` updates (the fp32 masters under O2), as apex: a generator."""
         for group in optimizer.param_groups:

@@ -1,0 +1,55 @@
+"""One rank of the two-process skip test (tests/test_distributed.py); not a test itself.
+
+Trains a DDP-wrapped O2 model for a few steps on gloo. At the step named by --inject-step, rank
+--inject-rank alone writes inf into one of its gradients after DDP's all-reduce, so only its
+overflow check sees it. Saves the parameters, the loss scale and the skip history to --out.
+"""
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from apex_lite import amp
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--inject-step", type=int, default=2)
+    parser.add_argument("--inject-rank", type=int, default=1)
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+    model = DDP(model)
+
+    data = torch.Generator().manual_seed(100 + rank)
+    skipped, scales = [], []
+    for step in range(args.steps):
+        x = torch.randn(8, 16, generator=data)
+        loss = model(x).float().pow(2).mean()
+        optimizer.zero_grad()
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+            if step == args.inject_step and rank == args.inject_rank:
+                next(model.parameters()).grad.view(-1)[3] = float("inf")
+        optimizer.step()
+        scaler = amp.loss_scalers()[0]
+        skipped.append(scaler.last_step_skipped)
+        scales.append(scaler.loss_scale)
+    torch.save({"rank": rank, "skipped": skipped, "scales": scales,
+                "params": [p.detach().clone() for p in model.parameters()],
+                "masters": [p.detach().clone() for p in amp.master_params(optimizer)]},
+               os.path.join(args.out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
