@@ -4,7 +4,8 @@
 // two fp32 products and one fp32 sum, no fused multiply-add (built with -ffp-contract=off),
 // rounded once; any of the 27 combinations of fp32/fp16/bf16 for x, y and out (per tensor).
 // found_inf (1-element fp32) is set to 1 when an element of xs or ys is inf or NaN, never written
-// 0. Outputs alias neither input. Contiguous CPU tensors, possibly empty; 64-bit sizes.
+// 0. Outputs alias neither input. CPU tensors of any strides (non-contiguous ones are staged
+// through contiguous copies), possibly empty; 64-bit sizes.
 // One at::parallel_for over chunks spanning all tensors.
 #include "multi_tensor_cpu.h"
 
@@ -14,14 +15,20 @@ namespace apex_lite {
 namespace cpu {
 namespace {
 
-void axpby_out(at::TensorList xs, at::TensorList ys, at::TensorList outputs, double a, double b,
-               const at::Tensor& found_inf) {
-  check_list("axpby_out", "xs", xs);
-  check_list("axpby_out", "ys", ys);
-  check_list("axpby_out", "outputs", outputs);
-  check_same_sizes("axpby_out", "xs", xs, "ys", ys);
-  check_same_sizes("axpby_out", "xs", xs, "outputs", outputs);
+void axpby_out(at::TensorList given_xs, at::TensorList given_ys, at::TensorList given_outputs,
+               double a, double b, const at::Tensor& found_inf) {
+  check_list("axpby_out", "xs", given_xs);
+  check_list("axpby_out", "ys", given_ys);
+  check_list("axpby_out", "outputs", given_outputs);
+  check_same_sizes("axpby_out", "xs", given_xs, "ys", given_ys);
+  check_same_sizes("axpby_out", "xs", given_xs, "outputs", given_outputs);
   check_found_inf("axpby_out", found_inf);
+  const ContiguousList staged_xs(given_xs, ContiguousList::Use::kRead);
+  const ContiguousList staged_ys(given_ys, ContiguousList::Use::kRead);
+  const ContiguousList staged_outputs(given_outputs, ContiguousList::Use::kWrite);
+  const at::TensorList xs = staged_xs.list();
+  const at::TensorList ys = staged_ys.list();
+  const at::TensorList outputs = staged_outputs.list();
   const auto offsets = element_offsets(xs);
   std::vector<AxpbySegmentFn> kernels(xs.size());
   std::vector<const void*> x_data(xs.size());
@@ -40,6 +47,7 @@ void axpby_out(at::TensorList xs, at::TensorList ys, at::TensorList outputs, dou
       offsets, [&](int64_t t, int64_t begin, int64_t length) {
         return kernels[t](x_data[t], y_data[t], out_data[t], begin, length, fa, fb);
       });
+  staged_outputs.write_back();
   if (saw_nonfinite) raise_found_inf(found_inf);
 }
 

@@ -4,8 +4,9 @@
 // ([0] when per_tensor is false). Squares are formed and summed in fp32 over blocks of
 // kBlockElems elements; block sums are combined in double, per tensor and then over tensors, in
 // index order, so the result does not depend on the thread count; norms are rounded once to fp32.
-// An inf or NaN element makes its tensor's norm and the total inf or NaN. Contiguous CPU tensors
-// of fp32/fp16/bf16, possibly empty (norm 0); 64-bit sizes. One at::parallel_for over chunks
+// An inf or NaN element makes its tensor's norm and the total inf or NaN. CPU tensors of
+// fp32/fp16/bf16 and any strides (non-contiguous ones are read through contiguous copies),
+// possibly empty (norm 0); 64-bit sizes. One at::parallel_for over chunks
 // spanning all tensors.
 #include "multi_tensor_cpu.h"
 
@@ -56,8 +57,10 @@ SumOfSquaresFn sum_of_squares_for(at::ScalarType t) {
   return table[dtype_index(t)];
 }
 
-std::tuple<at::Tensor, at::Tensor> l2norm(at::TensorList tensors, bool per_tensor) {
-  check_list("l2norm", "tensors", tensors);
+std::tuple<at::Tensor, at::Tensor> l2norm(at::TensorList given, bool per_tensor) {
+  check_list("l2norm", "tensors", given);
+  const ContiguousList staged(given, ContiguousList::Use::kRead);
+  const at::TensorList tensors = staged.list();
   const auto options = at::TensorOptions().dtype(at::kFloat).device(at::kCPU);
   const int64_t n = static_cast<int64_t>(tensors.size());
   const auto offsets = element_offsets(tensors);

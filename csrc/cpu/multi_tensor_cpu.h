@@ -11,10 +11,14 @@
 // extension is compiled with -ffp-contract=off so that a*x + b*y is two roundings, never an FMA.
 #pragma once
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/TensorBody.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <algorithm>
 #include <atomic>
@@ -41,8 +45,7 @@ inline int dtype_index(at::ScalarType t) {
   return t == at::kFloat ? 0 : (t == at::kHalf ? 1 : 2);
 }
 
-// Checks one list: supported dtype, CPU, contiguous (the Python wrapper stages non-contiguous
-// tensors through contiguous copies, so reaching here with one is a caller error).
+// Checks one list: supported dtype, on the CPU. Any strides are accepted (see ContiguousList).
 inline void check_list(const char* op, const char* name, at::TensorList tensors) {
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i];
@@ -50,11 +53,51 @@ inline void check_list(const char* op, const char* name, at::TensorList tensors)
                 "] has dtype ", t.scalar_type(), "; only float32, float16 and bfloat16 are supported");
     TORCH_CHECK(t.device().is_cpu(), "apex_lite::", op, ": ", name, "[", i, "] is on ", t.device(),
                 " but this is the CPU kernel; all tensors of a call must be on one device");
-    TORCH_CHECK(t.is_contiguous(), "apex_lite::", op, ": ", name, "[", i,
-                "] is not contiguous; pass contiguous tensors (apex_lite.multi_tensor stages "
-                "non-contiguous ones through contiguous copies for you)");
   }
 }
+
+// Contiguous stand-ins for a list: the list itself when every tensor is contiguous (the common
+// case costs one scan), else contiguous copies (for tensors that are read) or fresh buffers (for
+// tensors that are only written) in place of the non-contiguous ones. write_back() copies the
+// stand-ins' values into the original non-contiguous tensors. Staging runs below autograd, like
+// the kernel itself, so parameters that require grad can be written (the caller holds no_grad).
+class ContiguousList {
+ public:
+  enum class Use { kRead, kWrite };
+
+  ContiguousList(at::TensorList tensors, Use use) : original_(tensors) {
+    const bool all_contiguous = std::all_of(tensors.begin(), tensors.end(),
+                                            [](const at::Tensor& t) { return t.is_contiguous(); });
+    if (all_contiguous) return;
+    c10::impl::ExcludeDispatchKeyGuard below_autograd(
+        c10::autograd_dispatch_keyset_with_ADInplaceOrView);
+    staged_.reserve(tensors.size());
+    for (const at::Tensor& t : tensors) {
+      if (t.is_contiguous()) {
+        staged_.push_back(t);
+      } else if (use == Use::kRead) {
+        staged_.push_back(t.contiguous());
+      } else {
+        staged_.push_back(at::empty(t.sizes(), t.options()));
+      }
+    }
+  }
+
+  at::TensorList list() const { return staged_.empty() ? original_ : at::TensorList(staged_); }
+
+  void write_back() const {
+    if (staged_.empty()) return;
+    c10::impl::ExcludeDispatchKeyGuard below_autograd(
+        c10::autograd_dispatch_keyset_with_ADInplaceOrView);
+    for (size_t i = 0; i < staged_.size(); ++i) {
+      if (!original_[i].is_contiguous()) original_[i].copy_(staged_[i]);
+    }
+  }
+
+ private:
+  at::TensorList original_;
+  std::vector<at::Tensor> staged_;
+};
 
 inline void check_same_sizes(const char* op, const char* name_a, at::TensorList a,
                              const char* name_b, at::TensorList b) {

@@ -1,7 +1,8 @@
 // apex_lite::nonfinite_flags on CPU: which tensors hold an inf or NaN.
 //
 // Contract: returns a bool tensor of shape [len(tensors)], True where tensors[i] has an inf or
-// NaN element; empty tensors are finite. Reads only; contiguous CPU tensors of fp32/fp16/bf16;
+// NaN element; empty tensors are finite. Reads only; CPU tensors of fp32/fp16/bf16 and any
+// strides (non-contiguous ones are read through contiguous copies);
 // 64-bit sizes. One at::parallel_for over chunks spanning all tensors; each segment writes its
 // own flag and the flags are combined per tensor afterwards, so no two threads write one byte.
 #include "multi_tensor_cpu.h"
@@ -35,8 +36,10 @@ HasNonfiniteFn has_nonfinite_for(at::ScalarType t) {
   return table[dtype_index(t)];
 }
 
-at::Tensor nonfinite_flags(at::TensorList tensors) {
-  check_list("nonfinite_flags", "tensors", tensors);
+at::Tensor nonfinite_flags(at::TensorList given) {
+  check_list("nonfinite_flags", "tensors", given);
+  const ContiguousList staged(given, ContiguousList::Use::kRead);
+  const at::TensorList tensors = staged.list();
   const int64_t n = static_cast<int64_t>(tensors.size());
   const auto offsets = element_offsets(tensors);
   const auto starts = segment_starts(offsets);

@@ -3,7 +3,8 @@
 // Contract: outputs[i] = round_to_dtype(outputs[i])(float(inputs[i]) * float(scale)), computed in
 // fp32 and rounded once, for any of the 9 combinations of fp32/fp16/bf16 in and out (per tensor);
 // found_inf (1-element fp32) is set to 1 when an input element is inf or NaN, never written 0.
-// Outputs do not alias inputs. Contiguous CPU tensors, possibly empty; 64-bit sizes and offsets.
+// Outputs do not alias inputs. CPU tensors of any strides (non-contiguous ones are staged
+// through contiguous copies), possibly empty; 64-bit sizes and offsets.
 // One at::parallel_for over chunks spanning all tensors.
 #include "multi_tensor_cpu.h"
 
@@ -13,12 +14,16 @@ namespace apex_lite {
 namespace cpu {
 namespace {
 
-void scale_out(at::TensorList inputs, at::TensorList outputs, double scale,
+void scale_out(at::TensorList given_inputs, at::TensorList given_outputs, double scale,
                const at::Tensor& found_inf) {
-  check_list("scale_out", "inputs", inputs);
-  check_list("scale_out", "outputs", outputs);
-  check_same_sizes("scale_out", "inputs", inputs, "outputs", outputs);
+  check_list("scale_out", "inputs", given_inputs);
+  check_list("scale_out", "outputs", given_outputs);
+  check_same_sizes("scale_out", "inputs", given_inputs, "outputs", given_outputs);
   check_found_inf("scale_out", found_inf);
+  const ContiguousList staged_inputs(given_inputs, ContiguousList::Use::kRead);
+  const ContiguousList staged_outputs(given_outputs, ContiguousList::Use::kWrite);
+  const at::TensorList inputs = staged_inputs.list();
+  const at::TensorList outputs = staged_outputs.list();
   const auto offsets = element_offsets(inputs);
   std::vector<ScaleSegmentFn> kernels(inputs.size());
   std::vector<const void*> in_data(inputs.size());
@@ -33,6 +38,7 @@ void scale_out(at::TensorList inputs, at::TensorList outputs, double scale,
       offsets, [&](int64_t t, int64_t begin, int64_t length) {
         return kernels[t](in_data[t], out_data[t], begin, length, s);
       });
+  staged_outputs.write_back();
   if (saw_nonfinite) raise_found_inf(found_inf);
 }
 
