@@ -43,11 +43,6 @@ def _take_flag(flag):
     return found
 
 
-# Read (and remove) both flags before anything else looks at sys.argv.
-CUDA_EXT = _take_flag("--cuda_ext") | _env_flag("APEX_LITE_CUDA_EXT")
-CPP_EXT = _take_flag("--cpp_ext") | _env_flag("APEX_LITE_CPP_EXT") | CUDA_EXT
-
-
 def _say(message):
     # setup.py talks to the person running the build; pip shows this with -v.
     print(f"apex_lite setup: {message}", flush=True)
@@ -127,9 +122,9 @@ def _write_build_info(torch, with_cuda, nvcc_version, arch):
         f.write(f"CPU_ARCH = {arch!r}\n")
 
 
-def _extensions():
+def _extensions(cpp_ext, cuda_ext):
     """([extension], cmdclass) for the requested build; ([], {}) for a pure-Python install."""
-    if not CPP_EXT:
+    if not cpp_ext:
         _say("configuration: pure Python (no --cpp_ext/--cuda_ext, APEX_LITE_CPP_EXT and "
              "APEX_LITE_CUDA_EXT unset); the multi-tensor ops use torch foreach kernels")
         return [], {}
@@ -141,12 +136,12 @@ def _extensions():
               f"first and build with pip's --no-build-isolation.")
 
     nvcc, nvcc_version = (None, None)
-    if CUDA_EXT:
+    if cuda_ext:
         nvcc, nvcc_version = _check_cuda_toolchain(torch, cpp_extension)
 
     sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
     sources += sorted(glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
-    if CUDA_EXT:
+    if cuda_ext:
         sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
     # -ffp-contract=off: a*x + b*y must round twice, as the Python reference does (-mfma only
     # makes FMA instructions available; with contraction off the compiler never forms them).
@@ -154,7 +149,7 @@ def _extensions():
     cxx_flags = (["/O2", "/fp:precise"] if sys.platform == "win32"
                  else ["-O3", "-ffp-contract=off"] + cpu_arch_flags(arch))
     extra_compile_args = {"cxx": cxx_flags}
-    if CUDA_EXT:
+    if cuda_ext:
         extra_compile_args["nvcc"] = ["-O3", "--fmad=false"]
         extension = cpp_extension.CUDAExtension(
             "apex_lite._C", sources, extra_compile_args=extra_compile_args,
@@ -166,32 +161,40 @@ def _extensions():
 
     ninja = cpp_extension.is_ninja_available()
     _say("configuration:")
-    _say(f"  extension    apex_lite._C with CPU kernels{' and CUDA kernels' if CUDA_EXT else ''}")
+    _say(f"  extension    apex_lite._C with CPU kernels{' and CUDA kernels' if cuda_ext else ''}")
     _say(f"  torch        {torch.__version__} (CUDA {torch.version.cuda})")
     _say(f"  sources      {len(sources)}: {' '.join(sources)}")
     _say(f"  cpu arch     {arch} (APEX_LITE_CPU_ARCH={os.environ.get('APEX_LITE_CPU_ARCH', '')!r})")
     _say(f"  cxx flags    {' '.join(cxx_flags)}")
-    if CUDA_EXT:
+    if cuda_ext:
         _say(f"  nvcc         {nvcc} (CUDA {nvcc_version}), flags "
              f"{' '.join(extra_compile_args['nvcc'])}")
         _say(f"  arch list    TORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST', '')!r} "
              f"(empty: the visible GPUs', else torch's default list)")
     _say(f"  ninja        {'yes' if ninja else 'NOT FOUND: pip install ninja (falls back to a slow serial build)'}")
     _say(f"  MAX_JOBS     {os.environ.get('MAX_JOBS', '(unset: ninja decides)')}")
-    _write_build_info(torch, CUDA_EXT, nvcc_version, arch)
+    _write_build_info(torch, cuda_ext, nvcc_version, arch)
     cmdclass = {"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=ninja)}
     return [extension], cmdclass
 
 
-ext_modules, cmdclass = _extensions()
+def main():
+    # Read (and remove) both flags before setuptools looks at sys.argv.
+    cuda_ext = _take_flag("--cuda_ext") | _env_flag("APEX_LITE_CUDA_EXT")
+    cpp_ext = _take_flag("--cpp_ext") | _env_flag("APEX_LITE_CPP_EXT") | cuda_ext
+    ext_modules, cmdclass = _extensions(cpp_ext, cuda_ext)
+    setup(
+        name="apex_lite",
+        version="0.1.0",
+        description="Mixed-precision training for PyTorch with apex.amp's API",
+        packages=find_packages(include=["apex_lite", "apex_lite.*"]),
+        python_requires=">=3.9",
+        install_requires=["torch>=2.3"],
+        ext_modules=ext_modules,
+        cmdclass=cmdclass,
+    )
 
-setup(
-    name="apex_lite",
-    version="0.1.0",
-    description="Mixed-precision training for PyTorch with apex.amp's API",
-    packages=find_packages(include=["apex_lite", "apex_lite.*"]),
-    python_requires=">=3.9",
-    install_requires=["torch>=2.3"],
-    ext_modules=ext_modules,
-    cmdclass=cmdclass,
-)
+
+# pip and setuptools run this file as __main__; tests import it to check the toolchain logic.
+if __name__ == "__main__":
+    main()

@@ -517,3 +517,29 @@ def test_avx2_build_is_refused_on_a_cpu_without_avx2(monkeypatch):
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
     loaded, why = _native._import_built()
     assert not loaded and "AVX2" in why and "APEX_LITE_CPU_ARCH=default" in why
+
+
+def test_jit_without_sources_fails_loudly(monkeypatch, caplog, tmp_path):
+    from apex_lite.multi_tensor import _jit
+    monkeypatch.setattr(_jit, "CSRC", str(tmp_path / "missing"))
+    with caplog.at_level(logging.ERROR, logger="apex_lite"):
+        loaded, why = _jit.build_and_load()
+    assert not loaded and "APEX_LITE_JIT=1" in why and "missing" in why
+    assert any(r.levelno == logging.ERROR and why in r.getMessage() for r in caplog.records)
+
+
+def test_jit_compiler_error_is_reported_whole(monkeypatch, caplog):
+    from torch.utils import cpp_extension
+
+    from apex_lite.multi_tensor import _jit
+    if not os.path.isdir(_jit.CSRC):
+        pytest.skip("no source tree next to the package")
+
+    def failing_load(**kwargs):
+        raise RuntimeError("Error building extension 'apex_lite_C_jit': l2norm.cpp:3: boom")
+
+    monkeypatch.setattr(cpp_extension, "load", failing_load)
+    with caplog.at_level(logging.ERROR, logger="apex_lite"):
+        loaded, why = _jit.build_and_load()
+    assert not loaded and "l2norm.cpp:3: boom" in why
+    assert any(r.levelno == logging.ERROR for r in caplog.records)
