@@ -474,7 +474,7 @@ def test_native_backend_reports_its_library():
         pytest.skip(f"native kernels unavailable: {_native.ops_for('cpu')[1]}")
     with _Env(APEX_LITE_DISABLE_EXT=None):
         name, why = mt.backend("cpu")
-        assert name == "native" and "apex_lite._C" in why or "JIT" in why
+        assert name == "native" and ("apex_lite._C" in why or "JIT" in why)
 
 
 def test_cuda_without_cuda_kernels_names_the_reason():

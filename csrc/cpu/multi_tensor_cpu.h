@@ -193,9 +193,10 @@ inline void store_from_fp32(T* dst, const FVec& lo, const FVec& hi) {
 // when some x was not finite: one multiply and one add per vector, no branch in the loop.
 inline FVec nonfinite_probe(const FVec& x) { return x * FVec(0.0f); }
 
-inline bool probe_saw_nonfinite(const FVec& acc, float scalar_acc) {
+// The probes run in two independent accumulators so that the add chain does not bound the loop.
+inline bool probe_saw_nonfinite(const FVec& acc_lo, const FVec& acc_hi, float scalar_acc) {
   __at_align__ float lanes[FVec::size()];
-  acc.store(lanes);
+  (acc_lo + acc_hi).store(lanes);
   bool bad = scalar_acc != scalar_acc;
   for (int64_t i = 0; i < FVec::size(); ++i) bad |= lanes[i] != lanes[i];
   return bad;
@@ -227,12 +228,13 @@ bool scale_segment(const void* in_base, void* out_base, int64_t begin, int64_t n
   const In* x = static_cast<const In*>(in_base) + begin;
   Out* out = static_cast<Out*>(out_base) + begin;
   const FVec vs(s);
-  FVec probe(0.0f);
+  FVec probe_lo(0.0f), probe_hi(0.0f);
   int64_t i = 0;
   for (; i + kStep <= n; i += kStep) {
     FVec lo, hi;
     load_fp32(x + i, lo, hi);
-    probe = probe + nonfinite_probe(lo) + nonfinite_probe(hi);
+    probe_lo = probe_lo + nonfinite_probe(lo);
+    probe_hi = probe_hi + nonfinite_probe(hi);
     store_from_fp32(out + i, lo * vs, hi * vs);
   }
   float scalar_probe = 0.0f;
@@ -241,7 +243,7 @@ bool scale_segment(const void* in_base, void* out_base, int64_t begin, int64_t n
     scalar_probe += v * 0.0f;
     out[i] = static_cast<Out>(v * s);
   }
-  return probe_saw_nonfinite(probe, scalar_probe);
+  return probe_saw_nonfinite(probe_lo, probe_hi, scalar_probe);
 }
 
 // out = round(float(a) * float(x) + float(b) * float(y)): two products, one sum, no FMA.
@@ -252,14 +254,14 @@ bool axpby_segment(const void* x_base, const void* y_base, void* out_base, int64
   const Y* y = static_cast<const Y*>(y_base) + begin;
   Out* out = static_cast<Out*>(out_base) + begin;
   const FVec va(a), vb(b);
-  FVec probe(0.0f);
+  FVec probe_lo(0.0f), probe_hi(0.0f);
   int64_t i = 0;
   for (; i + kStep <= n; i += kStep) {
     FVec x_lo, x_hi, y_lo, y_hi;
     load_fp32(x + i, x_lo, x_hi);
     load_fp32(y + i, y_lo, y_hi);
-    probe = probe + nonfinite_probe(x_lo) + nonfinite_probe(x_hi) + nonfinite_probe(y_lo) +
-            nonfinite_probe(y_hi);
+    probe_lo = probe_lo + (nonfinite_probe(x_lo) + nonfinite_probe(y_lo));
+    probe_hi = probe_hi + (nonfinite_probe(x_hi) + nonfinite_probe(y_hi));
     const FVec ax_lo = va * x_lo, ax_hi = va * x_hi;
     const FVec by_lo = vb * y_lo, by_hi = vb * y_hi;
     store_from_fp32(out + i, ax_lo + by_lo, ax_hi + by_hi);
@@ -273,7 +275,7 @@ bool axpby_segment(const void* x_base, const void* y_base, void* out_base, int64
     const float by = b * yv;
     out[i] = static_cast<Out>(ax + by);
   }
-  return probe_saw_nonfinite(probe, scalar_probe);
+  return probe_saw_nonfinite(probe_lo, probe_hi, scalar_probe);
 }
 
 using ScaleSegmentFn = bool (*)(const void*, void*, int64_t, int64_t, float);

@@ -16,16 +16,17 @@ namespace {
 template <typename T>
 bool has_nonfinite(const void* base, int64_t begin, int64_t n) {
   const T* x = static_cast<const T*>(base) + begin;
-  FVec probe(0.0f);
+  FVec probe_lo(0.0f), probe_hi(0.0f);
   int64_t i = 0;
   for (; i + kStep <= n; i += kStep) {
     FVec lo, hi;
     load_fp32(x + i, lo, hi);
-    probe = probe + nonfinite_probe(lo) + nonfinite_probe(hi);
+    probe_lo = probe_lo + nonfinite_probe(lo);
+    probe_hi = probe_hi + nonfinite_probe(hi);
   }
   float scalar_probe = 0.0f;
   for (; i < n; ++i) scalar_probe += static_cast<float>(x[i]) * 0.0f;
-  return probe_saw_nonfinite(probe, scalar_probe);
+  return probe_saw_nonfinite(probe_lo, probe_hi, scalar_probe);
 }
 
 using HasNonfiniteFn = bool (*)(const void*, int64_t, int64_t);
