@@ -425,10 +425,13 @@ def test_backends_agree_bit_for_bit(device):
     """The two backends on the same inputs, compared with each other directly."""
     results = {}
     for name in ("python", "native"):
-        if name == "native" and (RUN_DISABLES_EXT or _native.ops_for(device.type)[0] is None):
+        if name == "native" and RUN_DISABLES_EXT:
+            pytest.skip("APEX_LITE_DISABLE_EXT=1 is set for this run")
+        if name == "native" and _native.ops_for(device.type)[0] is None:
+            why = _native.ops_for(device.type)[1]
             if RUN_REQUIRES_EXT:
-                pytest.fail(f"native unavailable: {_native.ops_for(device.type)[1]}")
-            pytest.skip("native kernels unavailable")
+                pytest.fail(f"APEX_LITE_REQUIRE_EXT=1 but native is unavailable: {why}")
+            pytest.skip(f"native kernels unavailable: {why}")
         with _Env(APEX_LITE_DISABLE_EXT="1" if name == "python" else None):
             assert mt.backend(device)[0] == name
             xs = [rand(n, d, device, seed=n) for n, d in zip(SHAPES, DTYPES * 2)]
@@ -468,10 +471,13 @@ def test_require_ext_turns_a_fallback_into_an_error(monkeypatch):
 
 
 def test_native_backend_reports_its_library():
-    if RUN_DISABLES_EXT or _native.ops_for("cpu")[0] is None:
+    if RUN_DISABLES_EXT:
+        pytest.skip("APEX_LITE_DISABLE_EXT=1 is set for this run")
+    ops, why = _native.ops_for("cpu")
+    if ops is None:
         if RUN_REQUIRES_EXT:
-            pytest.fail(f"APEX_LITE_REQUIRE_EXT=1 but: {_native.ops_for('cpu')[1]}")
-        pytest.skip(f"native kernels unavailable: {_native.ops_for('cpu')[1]}")
+            pytest.fail(f"APEX_LITE_REQUIRE_EXT=1 but: {why}")
+        pytest.skip(f"native kernels unavailable: {why}")
     with _Env(APEX_LITE_DISABLE_EXT=None):
         name, why = mt.backend("cpu")
         assert name == "native" and ("apex_lite._C" in why or "JIT" in why)
