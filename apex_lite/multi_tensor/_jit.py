@@ -3,7 +3,9 @@
 torch.utils.cpp_extension.load builds csrc/ with ninja into torch's extension cache and loads
 the library, which registers the ops. Needs the source tree next to the package (an editable
 checkout), a C++ compiler and ninja; CUDA kernels are included when torch has CUDA and nvcc is
-found. Failures are logged as errors with the compiler's message, never swallowed quietly.
+found. The CPU kernels are compiled for AVX2 when this CPU has it (the build runs where it is
+used), as setup.py does. Failures are logged as errors with the compiler's message, never
+swallowed quietly.
 """
 from __future__ import annotations
 
@@ -39,10 +41,13 @@ def build_and_load() -> Tuple[bool, str]:
     logger.warning("apex_lite: APEX_LITE_JIT=1: compiling %d sources (%s CUDA) from %s; the "
                    "first call takes minutes", len(sources), "with" if with_cuda else "without",
                    CSRC)
+    cflags = ["-O3", "-ffp-contract=off"]
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        cflags += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
     try:
         cpp_extension.load(
             name="apex_lite_C_jit", sources=sources, extra_include_paths=[CSRC],
-            extra_cflags=["-O3", "-ffp-contract=off"],
+            extra_cflags=cflags,
             extra_cuda_cflags=["-O3", "--fmad=false"],
             with_cuda=with_cuda, is_python_module=False,
             verbose=os.environ.get("APEX_LITE_JIT_VERBOSE", "") == "1")
