@@ -13,7 +13,7 @@ on each backend, argument validation included); native op (the bare ``torch.ops.
 to show what validation costs). Every repetition runs each column once, in turn; the table shows
 medians. Scales alternate between 0.5 and 2.0 so values neither drift nor turn subnormal.
 
-    python bench/kernels.py [--device cuda] [--reps 7] [--only 1,2,3]
+    python bench/kernels.py [--device cuda] [--reps 7] [--only 1,2,3] [--columns floor,native]
 """
 from __future__ import annotations
 
@@ -113,6 +113,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--only", default="1,2,3", help="comma-separated workload numbers")
+    parser.add_argument("--columns", default="floor,torch,native,python,native op",
+                        help="comma-separated columns to measure (floor is always measured)")
     args = parser.parse_args()
     device = torch.device(args.device)
 
@@ -129,6 +131,8 @@ def main() -> None:
     print(f"{'workload':<72} {'column':>10} {'median ms':>10} {'x floor':>8}")
     for index in (int(i) for i in args.only.split(",")):
         title, columns = make_workload(index, device)
+        wanted = {"floor"} | set(args.columns.split(","))
+        columns = {name: fn for name, fn in columns.items() if name in wanted}
         times = {name: [] for name in columns}
         for rep in range(args.reps + 1):  # the first repetition warms up and is dropped
             scale = 0.5 if rep % 2 == 0 else 2.0
