@@ -1,17 +1,114 @@
-"""Loader for the native kernels in ``apex_lite._C``.
+"""Loader for the native kernels in ``apex_lite._C``: finds out whether they can serve a device,
+and if not, the real reason.
 
-Not built yet: the native kernels are the subject of their own issue. Until then every device is
-served by the Python backend, and this module says so.
+``apex_lite._C`` is built by ``--cpp_ext``/``--cuda_ext`` (see setup.py); with ``APEX_LITE_JIT=1``
+it is instead compiled on first use from the source tree by torch.utils.cpp_extension.load
+(development only, see ``_jit.py``). The library is loaded at most once per process.
 """
 from __future__ import annotations
 
-from types import ModuleType
-from typing import Optional, Tuple
+import logging
+import os
+from types import ModuleType, SimpleNamespace
+from typing import Optional, Tuple, Union
+
+import torch
+
+logger = logging.getLogger("apex_lite.multi_tensor")
+
+OP_NAMES = ("scale_", "scale_out", "axpby_", "axpby_out", "l2norm", "nonfinite_flags")
+_DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
+
+# (loaded, why): the outcome of the one attempt to load the library.
+_loaded: Optional[Tuple[bool, str]] = None
 
 
-def ops_for(device_type: str) -> Tuple[Optional[ModuleType], str]:
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _build_info() -> Optional[ModuleType]:
+    """The record setup.py wrote when it built ``_C``, or None (JIT build, or never built)."""
     try:
-        from apex_lite import _C  # noqa: F401
+        from apex_lite import _build_info
+    except ImportError:
+        return None
+    return _build_info
+
+
+def _version_mismatch() -> Optional[str]:
+    info = _build_info()
+    if info is not None and info.TORCH_VERSION != torch.__version__:
+        return (f"torch version mismatch: apex_lite._C was built against torch "
+                f"{info.TORCH_VERSION} but torch {torch.__version__} is running; rebuild "
+                f"apex_lite with the same flags (--cpp_ext/--cuda_ext) against this torch")
+    return None
+
+
+def _cpu_lacks_build_arch() -> Optional[str]:
+    """Why the CPU cannot run the build's instructions (an AVX2 build on a CPU without AVX2)."""
+    info = _build_info()
+    if info is None or getattr(info, "CPU_ARCH", "default") != "avx2":
+        return None
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability in ("AVX2", "AVX512"):
+        return None
+    return (f"apex_lite._C was compiled for AVX2 on the machine that built it, but this CPU "
+            f"supports {capability} only; rebuild here, or with APEX_LITE_CPU_ARCH=default for "
+            f"a portable build")
+
+
+def _import_built() -> Tuple[bool, str]:
+    lacking = _cpu_lacks_build_arch()
+    if lacking:  # importing would run AVX2 instructions in the library's initialisers
+        return False, lacking
+    try:
+        from apex_lite import _C
     except ImportError as exc:
-        return None, f"apex_lite._C is not importable ({exc}); it is built by --cpp_ext/--cuda_ext"
-    return None, "apex_lite._C has no multi-tensor kernels yet"
+        mismatch = _version_mismatch()
+        reason = f"apex_lite._C is not importable ({exc})"
+        if mismatch:
+            return False, f"{reason}; probable cause: {mismatch}"
+        return False, (f"{reason}; it is built by installing with --cpp_ext/--cuda_ext or "
+                       f"APEX_LITE_CPP_EXT=1/APEX_LITE_CUDA_EXT=1")
+    mismatch = _version_mismatch()
+    if mismatch:
+        return False, mismatch
+    return True, f"apex_lite._C from {_C.__file__}"
+
+
+def _load() -> Tuple[bool, str]:
+    global _loaded
+    if _loaded is None:
+        if _env_flag("APEX_LITE_JIT"):
+            from . import _jit
+            _loaded = _jit.build_and_load()
+        else:
+            _loaded = _import_built()
+        if _loaded[0]:
+            from . import _fake
+            _fake.register()
+    return _loaded
+
+
+def _has_kernels(dispatch_key: str) -> bool:
+    return all(torch._C._dispatch_has_kernel_for_dispatch_key(f"apex_lite::{name}", dispatch_key)
+               for name in OP_NAMES)
+
+
+def ops_for(device_type: str) -> Tuple[Optional[Union[ModuleType, SimpleNamespace]], str]:
+    """``(ops, why)``: the native op module serving ``device_type``, or None and the reason."""
+    loaded, why = _load()
+    if not loaded:
+        return None, why
+    dispatch_key = _DISPATCH_KEYS.get(device_type)
+    if dispatch_key is None:
+        return None, f"apex_lite._C has kernels for cpu and cuda only, not {device_type!r}"
+    if not _has_kernels(dispatch_key):
+        if dispatch_key == "CUDA":
+            return None, ("apex_lite._C was built without CUDA (its CUDA kernels are not "
+                          "registered); rebuild with --cuda_ext or APEX_LITE_CUDA_EXT=1")
+        return None, f"apex_lite._C has no {dispatch_key} kernels registered"
+    from . import _native_ops
+    ops = _native_ops.CPU_OPS if device_type == "cpu" else _native_ops.STAGED_OPS
+    return ops, f"native kernels: {why}"

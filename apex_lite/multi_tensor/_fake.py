@@ -1,0 +1,54 @@
+"""Fake (meta) kernels for the ``apex_lite`` ops, so torch.compile and opcheck can trace them.
+
+The in-place and ``_out`` ops return nothing; their mutations are declared in the schemas.
+"""
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import torch
+
+_registered = False
+
+
+def _scale_(tensors: List[torch.Tensor], scale: float, found_inf: torch.Tensor) -> None:
+    return None
+
+
+def _scale_out(inputs: List[torch.Tensor], outputs: List[torch.Tensor], scale: float,
+               found_inf: torch.Tensor) -> None:
+    return None
+
+
+def _axpby_(xs: List[torch.Tensor], ys: List[torch.Tensor], a: float, b: float,
+            found_inf: torch.Tensor) -> None:
+    return None
+
+
+def _axpby_out(xs: List[torch.Tensor], ys: List[torch.Tensor], outputs: List[torch.Tensor],
+               a: float, b: float, found_inf: torch.Tensor) -> None:
+    return None
+
+
+def _l2norm(tensors: List[torch.Tensor], per_tensor: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    device = tensors[0].device if tensors else torch.device("cpu")
+    total = torch.empty(1, dtype=torch.float32, device=device)
+    norms = torch.empty(len(tensors) if per_tensor else 0, dtype=torch.float32, device=device)
+    return total, norms
+
+
+def _nonfinite_flags(tensors: List[torch.Tensor]) -> torch.Tensor:
+    device = tensors[0].device if tensors else torch.device("cpu")
+    return torch.empty(len(tensors), dtype=torch.bool, device=device)
+
+
+def register() -> None:
+    """Registers the fake kernels once (after the ops themselves are loaded)."""
+    global _registered
+    if _registered:
+        return
+    for name, fn in (("scale_", _scale_), ("scale_out", _scale_out), ("axpby_", _axpby_),
+                     ("axpby_out", _axpby_out), ("l2norm", _l2norm),
+                     ("nonfinite_flags", _nonfinite_flags)):
+        torch.library.register_fake(f"apex_lite::{name}", fn)
+    _registered = True

@@ -1,0 +1,59 @@
+// apex_lite::axpby_out on CPU: outputs[i] = a * xs[i] + b * ys[i].
+//
+// Contract: outputs[i] = round_to_dtype(outputs[i])(float(a) * float(x) + float(b) * float(y)):
+// two fp32 products and one fp32 sum, no fused multiply-add (built with -ffp-contract=off),
+// rounded once; any of the 27 combinations of fp32/fp16/bf16 for x, y and out (per tensor).
+// found_inf (1-element fp32) is set to 1 when an element of xs or ys is inf or NaN, never written
+// 0. Outputs alias neither input. CPU tensors of any strides (non-contiguous ones are staged
+// through contiguous copies), possibly empty; 64-bit sizes.
+// One at::parallel_for over chunks spanning all tensors.
+#include "multi_tensor_cpu.h"
+
+#include <torch/library.h>
+
+namespace apex_lite {
+namespace cpu {
+namespace {
+
+void axpby_out(at::TensorList given_xs, at::TensorList given_ys, at::TensorList given_outputs,
+               double a, double b, const at::Tensor& found_inf) {
+  check_list("axpby_out", "xs", given_xs);
+  check_list("axpby_out", "ys", given_ys);
+  check_list("axpby_out", "outputs", given_outputs);
+  check_same_sizes("axpby_out", "xs", given_xs, "ys", given_ys);
+  check_same_sizes("axpby_out", "xs", given_xs, "outputs", given_outputs);
+  check_found_inf("axpby_out", found_inf);
+  const ContiguousList staged_xs(given_xs, ContiguousList::Use::kRead);
+  const ContiguousList staged_ys(given_ys, ContiguousList::Use::kRead);
+  const ContiguousList staged_outputs(given_outputs, ContiguousList::Use::kWrite);
+  const at::TensorList xs = staged_xs.list();
+  const at::TensorList ys = staged_ys.list();
+  const at::TensorList outputs = staged_outputs.list();
+  const auto offsets = element_offsets(xs);
+  std::vector<AxpbySegmentFn> kernels(xs.size());
+  std::vector<const void*> x_data(xs.size());
+  std::vector<const void*> y_data(xs.size());
+  std::vector<void*> out_data(xs.size());
+  for (size_t i = 0; i < xs.size(); ++i) {
+    kernels[i] = axpby_kernel_for(xs[i].scalar_type(), ys[i].scalar_type(),
+                                  outputs[i].scalar_type());
+    x_data[i] = xs[i].data_ptr();
+    y_data[i] = ys[i].data_ptr();
+    out_data[i] = outputs[i].data_ptr();
+  }
+  const float fa = static_cast<float>(a);
+  const float fb = static_cast<float>(b);
+  const bool saw_nonfinite = parallel_over_segments(
+      offsets, [&](int64_t t, int64_t begin, int64_t length) {
+        return kernels[t](x_data[t], y_data[t], out_data[t], begin, length, fa, fb);
+      });
+  staged_outputs.write_back();
+  if (saw_nonfinite) raise_found_inf(found_inf);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(apex_lite, CPU, m) { m.impl("axpby_out", &axpby_out); }
+
+}  // namespace cpu
+}  // namespace apex_lite

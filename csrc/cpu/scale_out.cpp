@@ -1,0 +1,50 @@
+// apex_lite::scale_out on CPU: outputs[i] = inputs[i] * scale.
+//
+// Contract: outputs[i] = round_to_dtype(outputs[i])(float(inputs[i]) * float(scale)), computed in
+// fp32 and rounded once, for any of the 9 combinations of fp32/fp16/bf16 in and out (per tensor);
+// found_inf (1-element fp32) is set to 1 when an input element is inf or NaN, never written 0.
+// Outputs do not alias inputs. CPU tensors of any strides (non-contiguous ones are staged
+// through contiguous copies), possibly empty; 64-bit sizes and offsets.
+// One at::parallel_for over chunks spanning all tensors.
+#include "multi_tensor_cpu.h"
+
+#include <torch/library.h>
+
+namespace apex_lite {
+namespace cpu {
+namespace {
+
+void scale_out(at::TensorList given_inputs, at::TensorList given_outputs, double scale,
+               const at::Tensor& found_inf) {
+  check_list("scale_out", "inputs", given_inputs);
+  check_list("scale_out", "outputs", given_outputs);
+  check_same_sizes("scale_out", "inputs", given_inputs, "outputs", given_outputs);
+  check_found_inf("scale_out", found_inf);
+  const ContiguousList staged_inputs(given_inputs, ContiguousList::Use::kRead);
+  const ContiguousList staged_outputs(given_outputs, ContiguousList::Use::kWrite);
+  const at::TensorList inputs = staged_inputs.list();
+  const at::TensorList outputs = staged_outputs.list();
+  const auto offsets = element_offsets(inputs);
+  std::vector<ScaleSegmentFn> kernels(inputs.size());
+  std::vector<const void*> in_data(inputs.size());
+  std::vector<void*> out_data(inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    kernels[i] = scale_kernel_for(inputs[i].scalar_type(), outputs[i].scalar_type());
+    in_data[i] = inputs[i].data_ptr();
+    out_data[i] = outputs[i].data_ptr();
+  }
+  const float s = static_cast<float>(scale);
+  const bool saw_nonfinite = parallel_over_segments(
+      offsets, [&](int64_t t, int64_t begin, int64_t length) {
+        return kernels[t](in_data[t], out_data[t], begin, length, s);
+      });
+  staged_outputs.write_back();
+  if (saw_nonfinite) raise_found_inf(found_inf);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(apex_lite, CPU, m) { m.impl("scale_out", &scale_out); }
+
+}  // namespace cpu
+}  // namespace apex_lite

@@ -1,0 +1,551 @@
+"""apex_lite.multi_tensor on every backend and device: results, flags, layouts, backend choice.
+
+References are computed in float64 on the CPU and rounded the way the contract says (fp32 result
+first, then the output dtype), so they are bit-exact for ``scale`` and ``axpby``; both backends
+must match them, and each other, bit for bit. ``l2norm`` is compared with a float64 norm within
+L2NORM_RTOL[backend] (fp32 accumulation).
+
+Native cases are skipped, with the loader's reason, when the extension is not built; with
+``APEX_LITE_REQUIRE_EXT=1`` they fail instead, so a CI run meant to test the extension cannot pass
+by skipping. With ``APEX_LITE_DISABLE_EXT=1`` set for the run, native cases are skipped.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import types
+
+import pytest
+import torch
+
+import apex_lite
+from apex_lite import multi_tensor as mt
+from apex_lite.multi_tensor import _backend, _native
+
+# Elements per chunk of the CPU kernels (kChunkElems in csrc/cpu/multi_tensor_cpu.h); the CUDA
+# kernels use the same size. Shapes below cross its boundaries.
+CHUNK = 65536
+SHAPES = [0, 1, 555, CHUNK, CHUNK + 1, 7777 * 77]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+PAIRS = [(i, o) for i in DTYPES for o in DTYPES]
+# Relative error of an fp32-accumulated norm of up to a million elements against float64: the
+# native kernels sum blocks of 2048 squares in fp32 and the blocks in double; the Python backend
+# is torch's fp32 _foreach_norm, measured at 2.5e-5 on 600K elements.
+L2NORM_RTOL = {"native": 1e-5, "python": 1e-4}
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+RUN_DISABLES_EXT = _env_flag("APEX_LITE_DISABLE_EXT")
+RUN_REQUIRES_EXT = _env_flag("APEX_LITE_REQUIRE_EXT")
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA GPU on this machine"))]
+
+
+class _Env:
+    """Sets environment variables for one test and forgets the backend choices around it."""
+
+    def __init__(self, **values):
+        self.values = values
+        self.saved = {}
+
+    def __enter__(self):
+        for name, value in self.values.items():
+            self.saved[name] = os.environ.get(name)
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        _backend.reset()
+        return self
+
+    def __exit__(self, *exc):
+        for name, value in self.saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        _backend.reset()
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return torch.device(request.param)
+
+
+@pytest.fixture(params=["python", "native"])
+def backend(request, device):
+    """Makes apex_lite.multi_tensor use the requested backend on ``device`` for the test."""
+    if request.param == "python":
+        with _Env(APEX_LITE_DISABLE_EXT="1", APEX_LITE_REQUIRE_EXT=None):
+            assert mt.backend(device)[0] == "python"
+            yield "python"
+        return
+    if RUN_DISABLES_EXT:
+        pytest.skip("APEX_LITE_DISABLE_EXT=1 is set for this run")
+    ops, why = _native.ops_for(device.type)
+    if ops is None:
+        message = f"native kernels unavailable for {device.type}: {why}"
+        if RUN_REQUIRES_EXT:
+            pytest.fail(f"APEX_LITE_REQUIRE_EXT=1 but {message}")
+        pytest.skip(message)
+    with _Env(APEX_LITE_DISABLE_EXT=None):
+        assert mt.backend(device)[0] == "native"
+        yield "native"
+
+
+def _fp32(value: float) -> float:
+    return float(torch.tensor(value, dtype=torch.float32))
+
+
+def ref_scale(x: torch.Tensor, scale: float, out_dtype: torch.dtype) -> torch.Tensor:
+    """round_out(round_fp32(x * scale)): the float64 product of two fp32 values is exact."""
+    return (x.cpu().double() * _fp32(scale)).float().to(out_dtype)
+
+
+def ref_axpby(x, y, a, b, out_dtype):
+    """round_out(round_fp32(round_fp32(a*x) + round_fp32(b*y))), exact in float64."""
+    ax = (x.cpu().double() * _fp32(a)).float()
+    by = (y.cpu().double() * _fp32(b)).float()
+    return (ax.double() + by.double()).float().to(out_dtype)
+
+
+def ref_nonfinite(tensors) -> bool:
+    return any(not torch.isfinite(t.cpu().float()).all() for t in tensors)
+
+
+def assert_bits(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.dtype == expected.dtype
+    torch.testing.assert_close(actual.cpu(), expected, rtol=0, atol=0, equal_nan=True)
+
+
+def rand(n: int, dtype, device, seed: int) -> torch.Tensor:
+    """Values spread over many binades (rounding is exercised), finite in every dtype."""
+    g = torch.Generator().manual_seed(seed)
+    values = torch.randn(n, generator=g, dtype=torch.float64)
+    values = values * torch.exp2(torch.randint(-8, 8, (n,), generator=g).double())
+    return values.to(dtype).to(device)
+
+
+def tensor_list(n: int, dtype, device, seed: int):
+    """A list around a tensor of ``n`` elements, so that each call spans several tensors."""
+    return [rand(n, dtype, device, seed), rand(7, dtype, device, seed + 1),
+            rand(0, dtype, device, seed + 2), rand(n, dtype, device, seed + 3)]
+
+
+# --- scale ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", SHAPES)
+@pytest.mark.parametrize("in_dtype,out_dtype", PAIRS)
+def test_scale_out_of_place(backend, device, in_dtype, out_dtype, n):
+    if n == SHAPES[-1] and (in_dtype, out_dtype) not in PAIRS[::4]:
+        pytest.skip("the largest shape runs for the diagonal dtype pairs only (time)")
+    inputs = tensor_list(n, in_dtype, device, seed=n)
+    before = [t.clone() for t in inputs]
+    outputs = [torch.full_like(t, 7.0, dtype=out_dtype) for t in inputs]
+    found_inf = torch.zeros(1, device=device)
+    mt.scale(inputs, outputs, 0.37, found_inf)
+    for x, x_before, out in zip(inputs, before, outputs):
+        assert_bits(out, ref_scale(x_before, 0.37, out_dtype))
+        assert_bits(x, x_before.cpu())
+    assert found_inf.item() == 0.0
+
+
+@pytest.mark.parametrize("n", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scale_in_place(backend, device, dtype, n):
+    tensors = tensor_list(n, dtype, device, seed=n + 11)
+    expected = [ref_scale(t, 2.0 ** -13, dtype) for t in tensors]
+    found_inf = torch.zeros(1, device=device)
+    mt.scale(tensors, tensors, 2.0 ** -13, found_inf)
+    for t, e in zip(tensors, expected):
+        assert_bits(t, e)
+    assert found_inf.item() == 0.0
+
+
+def test_scale_mixed_dtypes_in_one_call(backend, device):
+    inputs = [rand(CHUNK + 5, d_in, device, seed=i) for i, (d_in, _) in enumerate(PAIRS)]
+    outputs = [torch.empty(CHUNK + 5, dtype=d_out, device=device) for _, d_out in PAIRS]
+    found_inf = torch.zeros(1, device=device)
+    mt.scale(inputs, outputs, 3.1, found_inf)
+    for x, out, (_, d_out) in zip(inputs, outputs, PAIRS):
+        assert_bits(out, ref_scale(x, 3.1, d_out))
+    assert found_inf.item() == 0.0
+
+
+def test_many_small_tensors(backend, device):
+    tensors = [rand(1 + (i % 37), torch.float32, device, seed=i) for i in range(4000)]
+    expected = [ref_scale(t, 0.125, torch.float32) for t in tensors]
+    found_inf = torch.zeros(1, device=device)
+    mt.scale(tensors, tensors, 0.125, found_inf)
+    for t, e in zip(tensors, expected):
+        assert_bits(t, e)
+    assert found_inf.item() == 0.0
+
+
+# --- axpby ----------------------------------------------------------------------------------
+
+AXPBY_SIZES = [555, CHUNK + 1, 0, 1]
+
+
+@pytest.mark.parametrize("out_dtype", DTYPES)
+@pytest.mark.parametrize("x_dtype,y_dtype", PAIRS)
+def test_axpby_out_of_place(backend, device, x_dtype, y_dtype, out_dtype):
+    xs = [rand(n, x_dtype, device, seed=n) for n in AXPBY_SIZES]
+    ys = [rand(n, y_dtype, device, seed=n + 100) for n in AXPBY_SIZES]
+    outs = [torch.empty(n, dtype=out_dtype, device=device) for n in AXPBY_SIZES]
+    found_inf = torch.zeros(1, device=device)
+    mt.axpby(xs, ys, outs, 0.3, -1.7, found_inf)
+    for x, y, out in zip(xs, ys, outs):
+        assert_bits(out, ref_axpby(x, y, 0.3, -1.7, out_dtype))
+    assert found_inf.item() == 0.0
+
+
+@pytest.mark.parametrize("into", ["ys", "xs"])
+@pytest.mark.parametrize("x_dtype,y_dtype", PAIRS)
+def test_axpby_in_place(backend, device, x_dtype, y_dtype, into):
+    xs = [rand(n, x_dtype, device, seed=n) for n in AXPBY_SIZES]
+    ys = [rand(n, y_dtype, device, seed=n + 100) for n in AXPBY_SIZES]
+    target = ys if into == "ys" else xs
+    expected = [ref_axpby(x, y, 1.25, 0.9, t.dtype) for x, y, t in zip(xs, ys, target)]
+    found_inf = torch.zeros(1, device=device)
+    mt.axpby(xs, ys, target, 1.25, 0.9, found_inf)
+    for t, e in zip(target, expected):
+        assert_bits(t, e)
+    assert found_inf.item() == 0.0
+
+
+@pytest.mark.parametrize("n", SHAPES)
+@pytest.mark.parametrize("dtypes", [(torch.float32,) * 3,
+                                    (torch.bfloat16, torch.float32, torch.float32),
+                                    (torch.float16, torch.float16, torch.float16)])
+def test_axpby_shapes(backend, device, dtypes, n):
+    x_dtype, y_dtype, out_dtype = dtypes
+    xs = tensor_list(n, x_dtype, device, seed=n)
+    ys = tensor_list(n, y_dtype, device, seed=n + 1000)
+    outs = [torch.empty(x.shape, dtype=out_dtype, device=device) for x in xs]
+    found_inf = torch.zeros(1, device=device)
+    mt.axpby(xs, ys, outs, -0.5, 3.0, found_inf)
+    for x, y, out in zip(xs, ys, outs):
+        assert_bits(out, ref_axpby(x, y, -0.5, 3.0, out_dtype))
+    assert found_inf.item() == 0.0
+
+
+# --- non-finite values ----------------------------------------------------------------------
+
+# Five tensors; the poisoned ones are the first, the middle and the last. Chunk-sized ones put
+# the middle and last elements in later chunks of the call.
+FLAG_SIZES = [CHUNK + 3, 100, 77, 300, CHUNK + 5]
+
+
+def _poisoned(dtype, device, tensor_index, position, value):
+    tensors = [rand(n, dtype, device, seed=n) for n in FLAG_SIZES]
+    target = tensors[tensor_index]
+    index = {"first": 0, "middle": target.numel() // 2, "last": target.numel() - 1}[position]
+    target[index] = value
+    return tensors
+
+
+POISON = pytest.mark.parametrize("value", [float("inf"), float("nan")])
+WHERE = [pytest.mark.parametrize("tensor_index", [0, 2, 4]),
+         pytest.mark.parametrize("position", ["first", "middle", "last"])]
+
+
+def _where(fn):
+    for mark in WHERE:
+        fn = mark(fn)
+    return fn
+
+
+@_where
+@POISON
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scale_flags_nonfinite(backend, device, dtype, tensor_index, position, value):
+    tensors = _poisoned(dtype, device, tensor_index, position, value)
+    outputs = [torch.empty(t.shape, dtype=torch.float32, device=device) for t in tensors]
+    found_inf = torch.zeros(1, device=device)
+    mt.scale(tensors, outputs, 0.5, found_inf)
+    assert found_inf.item() == 1.0
+    # Values are checked where the poison is; the clean tensors are covered by the tests above.
+    assert_bits(outputs[tensor_index], ref_scale(tensors[tensor_index], 0.5, torch.float32))
+    expected = ref_scale(tensors[tensor_index], 0.5, dtype)
+    found_inf = torch.zeros(1, device=device)
+    mt.scale(tensors, tensors, 0.5, found_inf)
+    assert found_inf.item() == 1.0
+    assert_bits(tensors[tensor_index], expected)
+    flags = mt.nonfinite_flags(tensors)
+    assert flags.dtype == torch.bool
+    assert flags.cpu().tolist() == [i == tensor_index for i in range(len(tensors))]
+
+
+@_where
+@POISON
+@pytest.mark.parametrize("poisoned", ["xs", "ys"])
+def test_axpby_flags_nonfinite(backend, device, poisoned, tensor_index, position, value):
+    clean = [rand(n, torch.bfloat16, device, seed=n + 7) for n in FLAG_SIZES]
+    dirty = _poisoned(torch.float32, device, tensor_index, position, value)
+    xs, ys = (dirty, clean) if poisoned == "xs" else (clean, dirty)
+    outs = [torch.empty(x.shape, dtype=torch.float16, device=device) for x in xs]
+    found_inf = torch.zeros(1, device=device)
+    mt.axpby(xs, ys, outs, 2.0, 0.5, found_inf)
+    assert found_inf.item() == 1.0
+    i = tensor_index
+    assert_bits(outs[i], ref_axpby(xs[i], ys[i], 2.0, 0.5, torch.float16))
+
+
+@pytest.mark.parametrize("op", ["scale", "axpby", "flags", "l2norm"])
+def test_negative_infinity(backend, device, op):
+    tensors = _poisoned(torch.bfloat16, device, 4, "last", float("-inf"))
+    found_inf = torch.zeros(1, device=device)
+    if op == "scale":
+        mt.scale(tensors, tensors, 2.0, found_inf)
+        assert found_inf.item() == 1.0 and tensors[4][-1].item() == float("-inf")
+    elif op == "axpby":
+        mt.axpby(tensors, tensors[::-1][::-1], [t.float() for t in tensors], 1.0, 1.0, found_inf)
+        assert found_inf.item() == 1.0
+    elif op == "flags":
+        assert mt.nonfinite_flags(tensors).cpu().tolist() == [False] * 4 + [True]
+    else:
+        assert mt.l2norm(tensors).item() == float("inf")
+
+
+def test_found_inf_is_never_written_zero(backend, device):
+    tensors = tensor_list(CHUNK + 1, torch.float32, device, seed=3)
+    found_inf = torch.ones(1, device=device)
+    mt.scale(tensors, tensors, 1.5, found_inf)
+    mt.scale(tensors, [torch.empty_like(t) for t in tensors], 1.5, found_inf)
+    mt.axpby(tensors, tensors[::-1][::-1], [torch.empty_like(t) for t in tensors], 1.0, 1.0,
+             found_inf)
+    mt.axpby([t.clone() for t in tensors], tensors, tensors, 1.0, 1.0, found_inf)
+    assert found_inf.item() == 1.0
+
+
+def test_overflow_of_a_finite_product_is_not_flagged(backend, device):
+    # The flag reports non-finite inputs; a finite input whose product overflows is not one.
+    tensors = [torch.full((100,), 3e38, device=device)]
+    outputs = [torch.empty(100, dtype=torch.float16, device=device)]
+    found_inf = torch.zeros(1, device=device)
+    mt.scale(tensors, outputs, 10.0, found_inf)
+    assert found_inf.item() == 0.0
+    assert torch.isinf(outputs[0]).all()
+
+
+def test_nonfinite_flags_finite_and_empty(backend, device):
+    tensors = [rand(n, d, device, seed=n) for n, d in zip([0, 5, CHUNK + 1, 0], DTYPES * 2)]
+    assert mt.nonfinite_flags(tensors).cpu().tolist() == [False] * 4
+    assert mt.nonfinite_flags([]).tolist() == []
+
+
+# --- l2norm ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_l2norm(backend, device, dtype, n):
+    tensors = tensor_list(n, dtype, device, seed=n + 5)
+    total, per = mt.l2norm(tensors, per_tensor=True)
+    alone = mt.l2norm(tensors)
+    per_ref = torch.stack([t.cpu().double().pow(2).sum().sqrt() for t in tensors])
+    total_ref = per_ref.pow(2).sum().sqrt().reshape(1)
+    assert total.dtype == per.dtype == alone.dtype == torch.float32
+    assert total.shape == alone.shape == (1,) and per.shape == (len(tensors),)
+    rtol = L2NORM_RTOL[backend]
+    torch.testing.assert_close(total.cpu().double(), total_ref, rtol=rtol, atol=0)
+    torch.testing.assert_close(per.cpu().double(), per_ref, rtol=rtol, atol=0)
+    assert_bits(alone, total.cpu())
+
+
+def test_l2norm_nonfinite_and_empty(backend, device):
+    tensors = _poisoned(torch.float32, device, 2, "middle", float("inf"))
+    total, per = mt.l2norm(tensors, per_tensor=True)
+    assert torch.isinf(total).all()
+    assert torch.isinf(per).cpu().tolist() == [False, False, True, False, False]
+    tensors[4][0] = float("nan")
+    total, per = mt.l2norm(tensors, per_tensor=True)
+    assert torch.isnan(total).all() and torch.isnan(per[4])
+    total, per = mt.l2norm([torch.empty(0, device=device)] * 3, per_tensor=True)
+    assert total.item() == 0.0 and per.cpu().tolist() == [0.0] * 3
+    total, per = mt.l2norm([], per_tensor=True)
+    assert total.item() == 0.0 and per.numel() == 0
+
+
+# --- layouts and empty calls ----------------------------------------------------------------
+
+def _strided(n, dtype, device, seed):
+    """A non-contiguous view (every other column of a 2-D tensor, transposed)."""
+    return rand(2 * n, dtype, device, seed).reshape(n // 5, 10)[:, ::2].t()
+
+
+@pytest.mark.parametrize("in_dtype,out_dtype", PAIRS[::4] + [(torch.bfloat16, torch.float32)])
+def test_non_contiguous_tensors(backend, device, in_dtype, out_dtype):
+    n = 5 * (CHUNK // 5 + 1)
+    xs = [_strided(n, in_dtype, device, 1), rand(n, in_dtype, device, 2).reshape(5, -1)]
+    assert not xs[0].is_contiguous()
+    outs = [torch.empty(n // 5, 5, dtype=out_dtype, device=device).t(),
+            torch.empty(5, n // 5, dtype=out_dtype, device=device)]
+    found_inf = torch.zeros(1, device=device)
+    mt.scale(xs, outs, 0.75, found_inf)
+    for x, out in zip(xs, outs):
+        assert_bits(out, ref_scale(x, 0.75, out_dtype))
+    ys = [_strided(n, out_dtype, device, 3), rand(n, out_dtype, device, 4).reshape(5, -1)]
+    expected = [ref_axpby(x, y, 0.5, 2.0, out_dtype) for x, y in zip(xs, ys)]
+    mt.axpby(xs, ys, ys, 0.5, 2.0, found_inf)
+    for y, e in zip(ys, expected):
+        assert_bits(y, e)
+    expected = [ref_scale(x, 4.0, in_dtype) for x in xs]
+    mt.scale(xs, xs, 4.0, found_inf)
+    for x, e in zip(xs, expected):
+        assert_bits(x, e)
+    assert found_inf.item() == 0.0
+    xs[0][1, 3] = float("nan")
+    assert mt.nonfinite_flags(xs).cpu().tolist() == [True, False]
+    xs[0][1, 3] = 1.0
+    total = mt.l2norm(xs)
+    torch.testing.assert_close(
+        total.cpu().double(), torch.cat([x.cpu().double().flatten() for x in xs]).norm()
+        .reshape(1), rtol=L2NORM_RTOL[backend], atol=0)
+
+
+def test_empty_lists_and_empty_tensors(backend, device):
+    found_inf = torch.zeros(1, device=device)
+    mt.scale([], [], 2.0, found_inf)
+    mt.axpby([], [], [], 1.0, 1.0, found_inf)
+    empties = [torch.empty(0, dtype=d, device=device) for d in DTYPES]
+    mt.scale(empties, empties, 2.0, found_inf)
+    mt.scale(empties, [torch.empty(0, device=device) for _ in DTYPES], 2.0, found_inf)
+    mt.axpby(empties, empties, empties, 1.0, 1.0, found_inf)
+    assert found_inf.item() == 0.0
+    assert mt.nonfinite_flags(empties).cpu().tolist() == [False] * 3
+
+
+def test_backends_agree_bit_for_bit(device):
+    """The two backends on the same inputs, compared with each other directly."""
+    results = {}
+    for name in ("python", "native"):
+        if name == "native" and RUN_DISABLES_EXT:
+            pytest.skip("APEX_LITE_DISABLE_EXT=1 is set for this run")
+        if name == "native" and _native.ops_for(device.type)[0] is None:
+            why = _native.ops_for(device.type)[1]
+            if RUN_REQUIRES_EXT:
+                pytest.fail(f"APEX_LITE_REQUIRE_EXT=1 but native is unavailable: {why}")
+            pytest.skip(f"native kernels unavailable: {why}")
+        with _Env(APEX_LITE_DISABLE_EXT="1" if name == "python" else None):
+            assert mt.backend(device)[0] == name
+            xs = [rand(n, d, device, seed=n) for n, d in zip(SHAPES, DTYPES * 2)]
+            ys = [rand(n, d, device, seed=n + 9) for n, d in zip(SHAPES, DTYPES[::-1] * 2)]
+            outs = [torch.empty(n, dtype=d, device=device) for n, d in zip(SHAPES, DTYPES[1:] * 3)]
+            found_inf = torch.zeros(1, device=device)
+            mt.scale(xs, outs, 1.0 / 3.0, found_inf)
+            scaled = [o.clone() for o in outs]
+            mt.axpby(xs, ys, outs, 0.1, 0.7, found_inf)
+            results[name] = scaled + outs
+    for p, n in zip(results["python"], results["native"]):
+        assert_bits(n, p.cpu())
+
+
+# --- backend choice -------------------------------------------------------------------------
+
+def test_disable_ext_forces_python():
+    with _Env(APEX_LITE_DISABLE_EXT="1"):
+        assert mt.backend("cpu") == ("python", "APEX_LITE_DISABLE_EXT=1 is set")
+
+
+def test_fallback_is_logged_once_with_the_reason(monkeypatch, caplog):
+    monkeypatch.setattr(_native, "ops_for", lambda device_type: (None, "a reason for testing"))
+    with _Env(APEX_LITE_DISABLE_EXT=None, APEX_LITE_REQUIRE_EXT=None):
+        with caplog.at_level(logging.WARNING, logger="apex_lite"):
+            assert mt.backend("cpu") == ("python", "a reason for testing")
+            mt.scale([torch.ones(3)], [torch.ones(3)], 1.0, torch.zeros(1))
+        warnings = [r for r in caplog.records if "a reason for testing" in r.getMessage()]
+        assert len(warnings) == 1
+
+
+def test_require_ext_turns_a_fallback_into_an_error(monkeypatch):
+    monkeypatch.setattr(_native, "ops_for", lambda device_type: (None, "a reason for testing"))
+    with _Env(APEX_LITE_DISABLE_EXT=None, APEX_LITE_REQUIRE_EXT="1"):
+        with pytest.raises(mt.NativeBackendUnavailable, match="a reason for testing"):
+            mt.backend("cpu")
+
+
+def test_native_backend_reports_its_library():
+    if RUN_DISABLES_EXT:
+        pytest.skip("APEX_LITE_DISABLE_EXT=1 is set for this run")
+    ops, why = _native.ops_for("cpu")
+    if ops is None:
+        if RUN_REQUIRES_EXT:
+            pytest.fail(f"APEX_LITE_REQUIRE_EXT=1 but: {why}")
+        pytest.skip(f"native kernels unavailable: {why}")
+    with _Env(APEX_LITE_DISABLE_EXT=None):
+        name, why = mt.backend("cpu")
+        assert name == "native" and ("apex_lite._C" in why or "JIT" in why)
+
+
+def test_cuda_without_cuda_kernels_names_the_reason():
+    if _native.ops_for("cpu")[0] is None:
+        pytest.skip("the extension is not loaded")
+    if torch._C._dispatch_has_kernel_for_dispatch_key("apex_lite::scale_", "CUDA"):
+        pytest.skip("this build has CUDA kernels")
+    ops, why = _native.ops_for("cuda")
+    assert ops is None and "built without CUDA" in why
+
+
+def _fake_build_info(monkeypatch, **fields):
+    info = types.ModuleType("apex_lite._build_info")
+    defaults = dict(TORCH_VERSION=torch.__version__, TORCH_CUDA_VERSION=None, WITH_CUDA=False,
+                    NVCC_VERSION=None, CPU_ARCH="default")
+    defaults.update(fields)
+    info.__dict__.update(defaults)
+    monkeypatch.setitem(sys.modules, "apex_lite._build_info", info)
+    monkeypatch.setattr(apex_lite, "_build_info", info, raising=False)
+
+
+def test_torch_version_mismatch_is_named(monkeypatch):
+    _fake_build_info(monkeypatch, TORCH_VERSION="1.0.0")
+    loaded, why = _native._import_built()
+    assert not loaded
+    assert "torch version mismatch" in why and "1.0.0" in why and torch.__version__ in why
+
+
+def test_import_error_text_is_kept(monkeypatch):
+    _fake_build_info(monkeypatch)
+    monkeypatch.setitem(sys.modules, "apex_lite._C", None)  # makes the import fail
+    if hasattr(apex_lite, "_C"):
+        monkeypatch.delattr(apex_lite, "_C")
+    loaded, why = _native._import_built()
+    assert not loaded and "apex_lite._C is not importable" in why and "--cpp_ext" in why
+
+
+def test_avx2_build_is_refused_on_a_cpu_without_avx2(monkeypatch):
+    _fake_build_info(monkeypatch, CPU_ARCH="avx2")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    loaded, why = _native._import_built()
+    assert not loaded and "AVX2" in why and "APEX_LITE_CPU_ARCH=default" in why
+
+
+def test_jit_without_sources_fails_loudly(monkeypatch, caplog, tmp_path):
+    from apex_lite.multi_tensor import _jit
+    monkeypatch.setattr(_jit, "CSRC", str(tmp_path / "missing"))
+    with caplog.at_level(logging.ERROR, logger="apex_lite"):
+        loaded, why = _jit.build_and_load()
+    assert not loaded and "APEX_LITE_JIT=1" in why and "missing" in why
+    assert any(r.levelno == logging.ERROR and why in r.getMessage() for r in caplog.records)
+
+
+def test_jit_compiler_error_is_reported_whole(monkeypatch, caplog):
+    from torch.utils import cpp_extension
+
+    from apex_lite.multi_tensor import _jit
+    if not os.path.isdir(_jit.CSRC):
+        pytest.skip("no source tree next to the package")
+
+    def failing_load(**kwargs):
+        raise RuntimeError("Error building extension 'apex_lite_C_jit': l2norm.cpp:3: boom")
+
+    monkeypatch.setattr(cpp_extension, "load", failing_load)
+    with caplog.at_level(logging.ERROR, logger="apex_lite"):
+        loaded, why = _jit.build_and_load()
+    assert not loaded and "l2norm.cpp:3: boom" in why
+    assert any(r.levelno == logging.ERROR for r in caplog.records)
