@@ -108,6 +108,8 @@ int64_t multi_tensor_apply(const std::array<at::TensorList, Depth>& lists,
                 "multi-tensor-apply kernel arguments exceed 4 KiB");
   static_assert(std::is_trivially_copyable<Op>::value, "kernel functors are passed by value");
 
+  TORCH_CHECK(lists[0].size() <= static_cast<size_t>(INT32_MAX),
+              "apex_lite: at most 2**31 - 1 tensors per multi-tensor call");
   std::vector<int64_t> numels(lists[0].size());
   for (const int64_t i : indices) {
     numels[static_cast<size_t>(i)] = lists[0][static_cast<size_t>(i)].numel();
