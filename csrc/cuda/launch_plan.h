@@ -18,7 +18,8 @@ namespace cuda {
 
 constexpr int64_t kChunkSize = 65536;
 
-inline int64_t num_chunks(int64_t numel) { return (numel + kChunkSize - 1) / kChunkSize; }
+// constexpr: also called from device code (nvcc --expt-relaxed-constexpr, which torch passes).
+constexpr int64_t num_chunks(int64_t numel) { return (numel + kChunkSize - 1) / kChunkSize; }
 
 // One tensor's share of a launch: chunks [first_chunk, first_chunk + num_chunks) of tensor
 // `tensor` (an index into the caller's list), processed by blocks
