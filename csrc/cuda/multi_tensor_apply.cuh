@@ -39,21 +39,25 @@ constexpr size_t kMaxKernelArgBytes = 4096;
 
 // The kernel-argument struct of one launch over lists of Depth tensors (list d, slot s is
 // addresses[d][s]). Slot s covers blocks [block_start[s], block_start[s+1]) (the last slot ends at
-// gridDim.x); its block block_start[s] + k processes chunk first_chunk[s] + k of a tensor of
-// sizes[s] elements, the caller's tensor number tensor_ids[s].
+// gridDim.x); its k-th block processes chunk k of a tensor of sizes[s] elements, the caller's
+// tensor number tensor_ids[s], except that slot 0 may continue a tensor split across launches:
+// its k-th block processes chunk first_chunk + k (launch_plan.h starts every other slot at chunk 0).
+// Element counts and chunk indices are 64-bit; block_start is a block index within one launch
+// (below kMaxBlocksPerLaunch), so 32 bits hold it and leave room for more tensors per launch.
 template <int Depth>
 struct TensorListMetadata {
-  static constexpr int kMaxTensors = Depth == 1 ? 96 : Depth == 2 ? 80 : 64;
+  static constexpr int kMaxTensors = Depth == 1 ? 160 : Depth == 2 ? 120 : 96;
   void* addresses[Depth][kMaxTensors];
   int64_t sizes[kMaxTensors];
-  int64_t block_start[kMaxTensors];
-  int64_t first_chunk[kMaxTensors];
+  int32_t block_start[kMaxTensors];
   int32_t tensor_ids[kMaxTensors];
-  int32_t num_slots;
+  int64_t first_chunk;
   // Number of blocks in the launches made before this one for the same op call: block b of this
   // launch is block first_global_block + b of the call (l2norm's partial sums are indexed by it).
   int64_t first_global_block;
+  int32_t num_slots;
 };
+static_assert(kMaxBlocksPerLaunch <= INT32_MAX, "block_start is 32-bit");
 
 // What a block is given to work on: one chunk of one tensor of each list.
 template <int Depth>
@@ -87,7 +91,7 @@ __global__ void __launch_bounds__(kBlockSize)
   for (int d = 0; d < Depth; ++d) {
     ref.base[d] = meta.addresses[d][lo];
   }
-  ref.chunk = meta.first_chunk[lo] + (block - meta.block_start[lo]);
+  ref.chunk = (lo == 0 ? meta.first_chunk : 0) + (block - meta.block_start[lo]);
   ref.start = ref.chunk * kChunkSize;
   ref.numel = meta.sizes[lo];
   ref.n = ref.numel - ref.start < kChunkSize ? ref.numel - ref.start : kChunkSize;
@@ -121,6 +125,7 @@ int64_t multi_tensor_apply(const std::array<at::TensorList, Depth>& lists,
   for (const LaunchPlan& plan : plans) {
     Meta meta{};
     meta.num_slots = static_cast<int32_t>(plan.slots.size());
+    meta.first_chunk = plan.slots[0].first_chunk;
     meta.first_global_block = first_global_block + launched;
     for (size_t s = 0; s < plan.slots.size(); ++s) {
       const LaunchSlot& slot = plan.slots[s];
@@ -128,9 +133,10 @@ int64_t multi_tensor_apply(const std::array<at::TensorList, Depth>& lists,
       for (int d = 0; d < Depth; ++d) {
         meta.addresses[d][s] = lists[d][tensor].data_ptr();
       }
+      TORCH_INTERNAL_ASSERT(s == 0 || slot.first_chunk == 0,
+                            "multi_tensor_apply: only slot 0 may continue a split tensor");
       meta.sizes[s] = numels[tensor];
-      meta.block_start[s] = slot.block_start;
-      meta.first_chunk[s] = slot.first_chunk;
+      meta.block_start[s] = static_cast<int32_t>(slot.block_start);
       meta.tensor_ids[s] = static_cast<int32_t>(slot.tensor);
     }
     multi_tensor_apply_kernel<Depth, Op>

@@ -47,6 +47,8 @@ void check_case(const std::string& name, const std::vector<int64_t>& numels,
     int64_t next_block = 0;
     for (const auto& slot : plan.slots) {
       expect(slot.block_start == next_block, where + ": slots do not tile the grid");
+      expect(&slot == &plan.slots.front() || slot.first_chunk == 0,
+             where + ": a slot other than the first continues a split tensor");
       expect(slot.num_chunks > 0, where + ": slot without chunks");
       for (int64_t c = 0; c < slot.num_chunks; ++c) {
         visited.emplace_back(slot.tensor, slot.first_chunk + c);
@@ -84,18 +86,18 @@ int main() {
   check_case("no tensors", {}, {}, 4, 8, 0);
   check_case("only empty tensors", {0, 0, 0}, {0, 1, 2}, 4, 8, 0);
   check_case("boundary sizes", {0, 1, 555, kChunkSize, kChunkSize + 1, 7777 * 77},
-             iota(6), 96, 32768, 1);
+             iota(6), 160, 32768, 1);
   check_case("slot limit", std::vector<int64_t>(10, 100), iota(10), 4, 32768, 3);
   check_case("block limit splits a tensor", {10 * kChunkSize}, {0}, 4, 3, 4);
   check_case("split tensor continues in slot 0", {2 * kChunkSize, 5 * kChunkSize, 1}, {0, 1, 2},
              4, 3, 3);
   check_case("subset in a given order (dtype groups)", {5, 0, 7 * kChunkSize, 9, 3 * kChunkSize},
              {4, 2, 0}, 2, 4, -1);
-  check_case("many small tensors", std::vector<int64_t>(4000, 2500), iota(4000), 96, 32768, 42);
-  check_case("above 2**31 elements", {3, big, 7}, {0, 1, 2}, 96, 32768, 2);
+  check_case("many small tensors", std::vector<int64_t>(4000, 2500), iota(4000), 160, 32768, 25);
+  check_case("above 2**31 elements", {3, big, 7}, {0, 1, 2}, 160, 32768, 2);
 
   // The launch that continues a split tensor starts it at the right chunk.
-  const auto plans = plan_launches({0}, {big}, 96, 32768);
+  const auto plans = plan_launches({0}, {big}, 160, 32768);
   expect(plans.size() == 2 && plans[1].slots.size() == 1 && plans[1].slots[0].first_chunk == 32768
              && plans[1].slots[0].num_chunks == 1,
          "a tensor above 2**31 elements continues at chunk 32768");
