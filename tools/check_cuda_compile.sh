@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Compile-check every csrc/cuda/*.cu for sm_80 and sm_90 with this machine's nvcc, against the
 # installed torch's headers and with the flags torch's CUDAExtension passes; then build and run
-# the host-only unit test of the launch planner (csrc/cuda/tests/launch_plan_test.cpp).
+# the host-only unit test of the launch planner (csrc/cuda/tests/launch_plan_test.cc).
 #
 # Works with a CPU-only torch: its wheel lacks the generated header c10/cuda/impl/cuda_cmake_macros.h,
 # so a one-line stand-in is generated in a temporary include directory.
@@ -106,13 +106,13 @@ for source in "${sources[@]}"; do
   fi
 done
 
-plan_test="$cuda_dir/tests/launch_plan_test.cpp"
+plan_test="$cuda_dir/tests/launch_plan_test.cc"
 if c++ -std=c++17 -Wall -Wextra -O1 "-I$cuda_dir" "$plan_test" -o "$work_dir/launch_plan_test" \
     && "$work_dir/launch_plan_test"; then
-  echo "check_cuda_compile: ok     tests/launch_plan_test.cpp"
+  echo "check_cuda_compile: ok     tests/launch_plan_test.cc"
 else
-  echo "check_cuda_compile: FAILED tests/launch_plan_test.cpp" >&2
-  failed+=("tests/launch_plan_test.cpp")
+  echo "check_cuda_compile: FAILED tests/launch_plan_test.cc" >&2
+  failed+=("tests/launch_plan_test.cc")
 fi
 
 echo "check_cuda_compile: ${#sources[@]} .cu file(s) in $((SECONDS - total_start)) s"

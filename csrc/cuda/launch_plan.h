@@ -1,6 +1,6 @@
 // Host-side planning of multi-tensor-apply launches: which chunks of which tensors each launch
 // covers. Plain C++ (no CUDA, no torch) so that it is unit-tested without a GPU
-// (csrc/cuda/tests/launch_plan_test.cpp, run by tools/check_cuda_compile.sh).
+// (csrc/cuda/tests/launch_plan_test.cc, run by tools/check_cuda_compile.sh).
 //
 // A tensor of `numel` elements is cut into chunks of kChunkSize elements (the last one shorter);
 // every chunk is one CUDA block. A launch holds at most `max_tensors` tensors ("slots", bounded by

@@ -1,5 +1,6 @@
 // Unit test of the multi-tensor-apply launch planner (csrc/cuda/launch_plan.h), host only.
-// Built and run by tools/check_cuda_compile.sh: g++ -std=c++17 -I csrc/cuda launch_plan_test.cpp.
+// Built and run by tools/check_cuda_compile.sh (c++ -std=c++17 -I csrc/cuda). Named .cc, not .cpp,
+// so that no glob of the extension's sources picks up its main().
 //
 // For each case it checks what the CUDA kernel relies on: every chunk of every non-empty tensor
 // is visited exactly once, in tensor order; slot and block limits hold; block_start values tile
