@@ -169,15 +169,42 @@ __device__ __forceinline__ void load_fp32(const T* p, float (&v)[N]) {
   }
 }
 
+// The unsigned integer type of a vector access of Bytes bytes. Stores go through __stwb (st.global.wb,
+// the default write-back policy) on this type: one vector store instruction, which the compiler
+// cannot split (a plain struct store was split into N scalar stores once the loop was unswitched).
+template <size_t Bytes>
+struct VectorBits;
+template <>
+struct VectorBits<16> {
+  using type = uint4;
+};
+template <>
+struct VectorBits<8> {
+  using type = uint2;
+};
+template <>
+struct VectorBits<4> {
+  using type = unsigned int;
+};
+template <>
+struct VectorBits<2> {
+  using type = unsigned short;
+};
+
 // Stores N fp32 values at p (aligned to N elements), rounded to T to nearest even.
 template <int N, typename T>
 __device__ __forceinline__ void store_rounded(T* p, const float (&v)[N]) {
-  AlignedVector<T, N> vec;
+  using Bits = typename VectorBits<sizeof(T) * N>::type;
+  static_assert(sizeof(Bits) == sizeof(AlignedVector<T, N>), "vector size mismatch");
+  union {
+    AlignedVector<T, N> vec;
+    Bits bits;
+  } out;
 #pragma unroll
   for (int k = 0; k < N; ++k) {
-    vec.val[k] = static_cast<T>(v[k]);
+    out.vec.val[k] = static_cast<T>(v[k]);
   }
-  *reinterpret_cast<AlignedVector<T, N>*>(p) = vec;
+  __stwb(reinterpret_cast<Bits*>(p), out.bits);
 }
 
 // inf or NaN: all exponent bits set. A bit test, so that no compiler flag can change it.
