@@ -1,0 +1,233 @@
+"""Where dtypes change: the model's forward (autocast for O1, input/output casts for O2/O3), the
+modules kept fp32 inside a half model, and apex's function decorators.
+
+Nothing here patches torch: a model's forward is wrapped on that model instance only, and the
+decorators act only while ``torch.autocast`` is enabled (so they work under O1 and under a user's
+own autocast, and are no-ops elsewhere).
+"""
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import functools
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+
+import torch
+
+_MARK = "__apex_lite_cast__"
+
+
+def apply_to_floats(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``value`` with ``fn`` applied to every floating tensor inside tuples, lists and dicts."""
+    if isinstance(value, torch.Tensor):
+        return fn(value) if value.is_floating_point() else value
+    if isinstance(value, tuple):
+        items = [apply_to_floats(v, fn) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, list):
+        return [apply_to_floats(v, fn) for v in value]
+    if isinstance(value, dict):
+        return type(value)((k, apply_to_floats(v, fn)) for k, v in value.items())
+    return value
+
+
+def _caster(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda t: t.to(dtype)
+
+
+class CastForward:
+    """A model's forward under amp: floating inputs cast to ``input_dtype``, the call run under
+    ``torch.autocast`` when ``autocast_dtype`` is set, floating outputs cast to ``output_dtype``.
+    A module-level class (not a closure) so that a wrapped model still pickles."""
+
+    def __init__(self, forward: Callable, device_type: str, *,
+                 input_dtype: Optional[torch.dtype] = None,
+                 autocast_dtype: Optional[torch.dtype] = None,
+                 output_dtype: Optional[torch.dtype] = None):
+        self.forward = forward
+        self.device_type = device_type
+        self.input_dtype = input_dtype
+        self.autocast_dtype = autocast_dtype
+        self.output_dtype = output_dtype
+        functools.update_wrapper(self, forward)
+
+    def __call__(self, *args, **kwargs):
+        if self.input_dtype is not None:
+            cast = _caster(self.input_dtype)
+            args = apply_to_floats(args, cast)
+            kwargs = apply_to_floats(kwargs, cast)
+        if self.autocast_dtype is not None:
+            with torch.autocast(self.device_type, dtype=self.autocast_dtype):
+                output = self.forward(*args, **kwargs)
+        else:
+            output = self.forward(*args, **kwargs)
+        if self.output_dtype is not None:
+            output = apply_to_floats(output, _caster(self.output_dtype))
+        return output
+
+
+def wrap_forward(module: torch.nn.Module, **cast_kwargs) -> None:
+    """Replace ``module``'s forward (on the instance) with a ``CastForward`` around it."""
+    device_type = next((p.device.type for p in module.parameters()), "cpu")
+    module.forward = CastForward(module.forward, device_type, **cast_kwargs)
+
+
+def _matches(name: str, module: torch.nn.Module, rule) -> bool:
+    if isinstance(rule, str):
+        return name == rule or fnmatch.fnmatchcase(name, rule)
+    return isinstance(module, rule)
+
+
+def modules_kept_fp32(model: torch.nn.Module, keep_batchnorm_fp32: bool,
+                      keep_fp32_modules: Sequence) -> List[Tuple[str, torch.nn.Module]]:
+    """The outermost modules of ``model`` that stay fp32 under a half cast: affine BatchNorm
+    when ``keep_batchnorm_fp32`` (as apex), and those named by ``keep_fp32_modules`` (module types,
+    or qualified names / fnmatch patterns as ``named_modules`` spells them)."""
+    rules = list(keep_fp32_modules)
+    kept: List[Tuple[str, torch.nn.Module]] = []
+    inside: Set[int] = set()
+    for name, module in model.named_modules():
+        if id(module) in inside:
+            continue
+        is_bn = isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.affine
+        if (keep_batchnorm_fp32 and is_bn) or any(_matches(name, module, r) for r in rules):
+            kept.append((name, module))
+            inside.update(id(m) for m in module.modules())
+    return kept
+
+
+def check_keep_rules(models: Sequence[torch.nn.Module], keep_fp32_modules: Sequence) -> None:
+    """Refuse rules of the wrong kind, and name rules that match no module (a typo otherwise
+    silently leaves the module in half)."""
+    for rule in keep_fp32_modules:
+        if isinstance(rule, str):
+            if not any(_matches(n, m, rule) for model in models for n, m in model.named_modules()):
+                raise ValueError(f"keep_fp32_modules names {rule!r}, which matches no module; "
+                                 f"use a name as model.named_modules() spells it (e.g. "
+                                 f"'encoder.norm') or a pattern such as '*.norm'")
+        elif not (isinstance(rule, type) and issubclass(rule, torch.nn.Module)):
+            raise TypeError(f"keep_fp32_modules takes nn.Module subclasses or module names, "
+                            f"got {rule!r}")
+
+
+def cast_model(model: torch.nn.Module, dtype: torch.dtype,
+               kept: Sequence[Tuple[str, torch.nn.Module]]) -> None:
+    """Cast the floating parameters and buffers of ``model`` to ``dtype`` in place (Parameter
+    objects keep their identity), except inside the ``kept`` modules, whose forward is wrapped
+    to run in fp32 and hand ``dtype`` back to the half layers after them."""
+    kept_ids = {id(m) for _, m in kept}
+    skip: Set[int] = set()
+    for _, module in kept:
+        skip.update(id(m) for m in module.modules())
+
+    def to_half(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if t.is_floating_point() else t
+
+    for module in model.modules():
+        if id(module) not in skip:
+            module._apply(to_half, recurse=False)
+    for _, module in kept:
+        if id(module) in kept_ids:
+            wrap_forward(module, input_dtype=torch.float32, output_dtype=dtype)
+
+
+# ---- apex's function decorators -------------------------------------------------------------
+
+def _autocast_state(args, kwargs) -> Tuple[Optional[str], Optional[torch.dtype]]:
+    """The device type of the first tensor argument and autocast's dtype there, when autocast is
+    enabled for that device type; else (None, None)."""
+    for value in list(args) + list(kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            device_type = value.device.type
+            if torch.is_autocast_enabled(device_type):
+                return device_type, torch.get_autocast_dtype(device_type)
+            return None, None
+    return None, None
+
+
+def _cast_call(fn, args, kwargs, device_type: str, dtype: torch.dtype):
+    cast = _caster(dtype)
+    with torch.autocast(device_type, enabled=False):
+        return fn(*apply_to_floats(args, cast), **apply_to_floats(kwargs, cast))
+
+
+def _widest(args, kwargs) -> torch.dtype:
+    dtypes = []
+    apply_to_floats((args, kwargs), lambda t: dtypes.append(t.dtype) or t)
+    widest = dtypes[0] if dtypes else torch.float32
+    for d in dtypes[1:]:
+        widest = torch.promote_types(widest, d)
+    return widest
+
+
+def _decorate(kind: str, fn: Callable) -> Callable:
+    original = getattr(fn, _MARK, (None, fn))[1]
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        device_type, autocast_dtype = _autocast_state(args, kwargs)
+        if device_type is None:
+            return original(*args, **kwargs)
+        if kind == "half":
+            dtype = autocast_dtype
+        elif kind == "float":
+            dtype = torch.float32
+        else:
+            dtype = _widest(args, kwargs)
+        return _cast_call(original, args, kwargs, device_type, dtype)
+
+    setattr(wrapper, _MARK, (kind, original))
+    return wrapper
+
+
+def half_function(fn: Callable) -> Callable:
+    """Under autocast, run ``fn`` with its floating tensor arguments cast to autocast's half
+    dtype; elsewhere call it unchanged."""
+    return _decorate("half", fn)
+
+
+def float_function(fn: Callable) -> Callable:
+    """Under autocast, run ``fn`` in fp32 (floating tensor arguments cast to float32)."""
+    return _decorate("float", fn)
+
+
+def promote_function(fn: Callable) -> Callable:
+    """Under autocast, run ``fn`` with floating tensor arguments cast to the widest of their
+    dtypes (apex's promote: fp16 and fp32 arguments give fp32)."""
+    return _decorate("promote", fn)
+
+
+def _register(kind: str, module, name: str) -> None:
+    if not hasattr(module, name):
+        raise ValueError(f"No function named {name!r} in module {module!r}.")
+    fn = getattr(module, name)
+    if not callable(fn):
+        raise TypeError(f"{module!r}.{name} is a {type(fn).__name__}, not a function")
+    setattr(module, name, _decorate(kind, fn))
+
+
+def register_half_function(module, name: str) -> None:
+    """Make ``module.name`` a ``half_function`` (replaces the attribute on that module, at your
+    request; registering again with another kind replaces the earlier registration)."""
+    _register("half", module, name)
+
+
+def register_float_function(module, name: str) -> None:
+    """Make ``module.name`` a ``float_function``."""
+    _register("float", module, name)
+
+
+def register_promote_function(module, name: str) -> None:
+    """Make ``module.name`` a ``promote_function``."""
+    _register("promote", module, name)
+
+
+@contextlib.contextmanager
+def disable_casts():
+    """Inside, autocast is off (on CPU, and on CUDA where present): code runs in the dtypes of its
+    inputs, as apex's ``disable_casts``."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.autocast("cpu", enabled=False))
+        if torch.cuda.is_available():
+            stack.enter_context(torch.autocast("cuda", enabled=False))
+        yield

@@ -1,0 +1,465 @@
+"""``AmpHandle``: one amp configuration (initialize, scale_loss, state_dict) and its run state.
+
+The module-level functions of ``apex_lite.amp`` delegate to one default handle; that is the only
+global. Each ``initialize`` makes a fresh ``_Run`` (re-initialising starts clean); models and
+optimizers it patched carry a reference to their own run.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections import OrderedDict
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from . import casting
+from .opt_levels import Properties, resolve_properties
+from .optimizer import UNSCALED, AmpOptimizer
+from .overflow import OverflowCheck, is_logging_rank
+from .scaler import DEFAULT_SCALE_WINDOW, LossScaler
+
+logger = logging.getLogger("apex_lite.amp")
+
+STATE_KEY = "apex_lite"
+STATE_VERSION = 1
+_MARK = "_apex_lite_amp"
+
+
+def _as_list(value, kind: type, what: str):
+    """(list, was_list) as apex accepts: one object or a list of them."""
+    if isinstance(value, kind):
+        return [value], False
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            if not isinstance(item, kind):
+                raise TypeError(f"{what}[{i}] is a {type(item).__name__}, not a "
+                                f"{kind.__module__}.{kind.__qualname__}")
+        return list(value), True
+    raise TypeError(f"{what} must be a single {kind.__qualname__} or a list of them, got "
+                    f"{type(value).__name__}")
+
+
+def _describe(p: torch.Tensor) -> str:
+    return f"shape {tuple(p.shape)}, dtype {p.dtype}, device {p.device}"
+
+
+class _DisabledRun:
+    """``initialize(enabled=False)``: scale_loss yields the loss untouched."""
+    enabled = False
+
+
+class _Run:
+    """What one ``initialize`` set up."""
+    enabled = True
+
+    def __init__(self, properties: Properties, models: List[torch.nn.Module], *, num_losses: int,
+                 verbosity: int, min_loss_scale, max_loss_scale: float, hysteresis: int,
+                 scale_window: int, process_group):
+        self.properties = properties
+        self.models = models
+        self.verbosity = verbosity
+        self.process_group = process_group
+        self.scalers = [LossScaler(i, properties.loss_scale, min_loss_scale=min_loss_scale,
+                                   max_loss_scale=max_loss_scale, scale_window=scale_window,
+                                   hysteresis=hysteresis) for i in range(num_losses)]
+        self.param_ids = {id(p) for m in models for p in m.parameters()}
+        # O2: per model, (qualified name, half model param, fp32 master) in named_parameters order.
+        self.master_pairs: List[List[tuple]] = [[] for _ in models]
+        self.master_of: Dict[torch.Tensor, torch.Tensor] = {}
+        self.model_of: Dict[torch.Tensor, torch.Tensor] = {}
+        self.optimizers: List[AmpOptimizer] = []
+
+    def foreign_param(self, params) -> Optional[torch.Tensor]:
+        """The first of ``params`` that is neither a model parameter nor a master, if any."""
+        for p in params:
+            if id(p) not in self.param_ids and p not in self.model_of:
+                return p
+        return None
+
+    def masters_for(self, params: Sequence[torch.Tensor], caller: str) -> List[torch.Tensor]:
+        """``params`` with each cast model parameter replaced by its fp32 master."""
+        foreign = self.foreign_param(params)
+        if foreign is not None:
+            raise ValueError(f"{caller} got a parameter ({_describe(foreign)}) that is not a "
+                             f"parameter of the model(s) passed to amp.initialize. Pass every "
+                             f"model whose parameters the optimizer updates, e.g. "
+                             f"amp.initialize([model_a, model_b], optimizer, ...).")
+        return [self.master_of.get(p, p) for p in params]
+
+
+def _check_model(model: torch.nn.Module, index: int) -> None:
+    for wrapper in (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel):
+        if isinstance(model, wrapper):
+            raise RuntimeError(
+                f"model {index} is already wrapped in {wrapper.__module__}.{wrapper.__name__}. "
+                f"Parallel wrappers must be applied AFTER amp.initialize: "
+                f"model, optimizer = amp.initialize(model, optimizer, ...); "
+                f"model = {wrapper.__name__}(model, ...).")
+    if getattr(model, _MARK, None) is not None:
+        raise RuntimeError(
+            f"model {index} ({type(model).__name__}) was already passed to amp.initialize; it is "
+            f"cast and its forward wrapped. To re-initialise, build a fresh model (load its fp32 "
+            f"state_dict into it) and pass that.")
+    for name, p in model.named_parameters():
+        if p.is_floating_point() and p.dtype != torch.float32:
+            raise ValueError(
+                f"amp.initialize needs models whose floating-point parameters are float32, but "
+                f"{name!r} of model {index} is {p.dtype}. Build or load the model in fp32 and let "
+                f"the opt level cast it: O1 keeps fp32 weights and runs the forward under "
+                f"autocast; O2 casts the model to half and keeps fp32 master weights made from "
+                f"the fp32 values (the way to train a half model safely); O3 is pure half. "
+                f"Calling .half() or .bfloat16() yourself loses the fp32 values O2's masters are "
+                f"made from.")
+
+
+def _check_scale_args(num_losses, verbosity, min_loss_scale, max_loss_scale, hysteresis,
+                      scale_window) -> None:
+    def positive_int(name, value):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    positive_int("num_losses", num_losses)
+    positive_int("hysteresis", hysteresis)
+    positive_int("scale_window", scale_window)
+    if isinstance(verbosity, bool) or not isinstance(verbosity, int) or verbosity < 0:
+        raise ValueError(f"verbosity must be an int >= 0 (0 silences amp's log), got "
+                         f"{verbosity!r}")
+    for name, value in (("max_loss_scale", max_loss_scale), ("min_loss_scale", min_loss_scale)):
+        if value is None and name == "min_loss_scale":
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    if min_loss_scale is not None and min_loss_scale > max_loss_scale:
+        raise ValueError(f"min_loss_scale={min_loss_scale} is above max_loss_scale="
+                         f"{max_loss_scale}; the dynamic scale must fit between them")
+
+
+class AmpHandle:
+    """One amp configuration. ``apex_lite.amp``'s module-level functions use a default one."""
+
+    def __init__(self):
+        self._run = None
+
+    # ---- initialize -----------------------------------------------------------------------
+    def initialize(self, models, optimizers=None, enabled=True, opt_level="O1",
+                   cast_model_type=None, patch_torch_functions=None, keep_batchnorm_fp32=None,
+                   master_weights=None, loss_scale=None, cast_model_outputs=None, num_losses=1,
+                   verbosity=1, min_loss_scale=None, max_loss_scale=2. ** 24, *,
+                   half_dtype=None, keep_fp32_modules=(), hysteresis=1,
+                   scale_window=DEFAULT_SCALE_WINDOW, process_group=None):
+        """apex's ``amp.initialize``; see ``apex_lite.amp.initialize`` for the extensions."""
+        model_list, models_was_list = _as_list(models, torch.nn.Module, "models")
+        if optimizers is None:
+            opt_list, opts_was_list = [], False
+        else:
+            opt_list, opts_was_list = _as_list(optimizers, torch.optim.Optimizer, "optimizers")
+
+        def result():
+            if opts_was_list:
+                return (model_list if models_was_list else model_list[0]), opt_list
+            model_out = model_list if models_was_list else model_list[0]
+            return model_out if not opt_list else (model_out, opt_list[0])
+
+        if not enabled:
+            self._run = _DisabledRun()
+            return result()
+
+        # Validate everything before changing anything.
+        if not model_list:
+            raise ValueError("amp.initialize needs at least one model")
+        if len({id(m) for m in model_list}) != len(model_list):
+            raise ValueError("the same model appears twice in models; pass each model once")
+        for i, model in enumerate(model_list):
+            _check_model(model, i)
+        device_type = next((p.device.type for m in model_list for p in m.parameters()
+                            if p.is_floating_point()), "cpu")
+        properties = resolve_properties(
+            opt_level, device_type=device_type, half_dtype=half_dtype,
+            cast_model_type=cast_model_type, patch_torch_functions=patch_torch_functions,
+            keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights,
+            loss_scale=loss_scale, cast_model_outputs=cast_model_outputs)
+        _check_scale_args(num_losses, verbosity, min_loss_scale, max_loss_scale, hysteresis,
+                          scale_window)
+        if isinstance(keep_fp32_modules, (str, type)):
+            keep_fp32_modules = (keep_fp32_modules,)
+        keep_fp32_modules = tuple(keep_fp32_modules)
+        casts_to_half = properties.cast_model_type in (torch.float16, torch.bfloat16)
+        if keep_fp32_modules and not casts_to_half:
+            raise ValueError(f"keep_fp32_modules keeps modules fp32 inside a model cast to half "
+                             f"(O2, O3), but {opt_level} does not cast the model to half")
+        casting.check_keep_rules(model_list, keep_fp32_modules)
+        if len({id(o) for o in opt_list}) != len(opt_list):
+            raise ValueError("the same optimizer appears twice in optimizers; pass each once")
+        for i, opt in enumerate(opt_list):
+            if hasattr(opt, _MARK):
+                raise RuntimeError(
+                    f"optimizer {i} ({type(opt).__name__}) was already passed to amp.initialize. "
+                    f"An optimizer can be initialised once: to re-initialise, create a new "
+                    f"optimizer over the new model's parameters and pass both.")
+        run = _Run(properties, model_list, num_losses=num_losses, verbosity=verbosity,
+                   min_loss_scale=min_loss_scale, max_loss_scale=float(max_loss_scale),
+                   hysteresis=hysteresis, scale_window=scale_window, process_group=process_group)
+        for i, opt in enumerate(opt_list):
+            foreign = run.foreign_param([p for g in opt.param_groups for p in g["params"]])
+            if foreign is not None:
+                raise ValueError(
+                    f"optimizer {i} holds a parameter ({_describe(foreign)}) that is not a "
+                    f"parameter of the model(s) passed to amp.initialize. Pass every model "
+                    f"whose parameters it updates, e.g. amp.initialize([model_a, model_b], "
+                    f"optimizer, ...), or build the optimizer from model.parameters().")
+
+        # Now change things: cast the models, wrap their forwards, take over the optimizers.
+        for index, model in enumerate(model_list):
+            self._prepare_model(run, index, model, keep_fp32_modules)
+        for opt in opt_list:
+            self._take_over_optimizer(run, opt)
+        self._run = run
+        if verbosity >= 1 and is_logging_rank():
+            logger.info("Selected optimization level %s: %s", opt_level,
+                        _level_brief(opt_level))
+            logger.info("Defaults for this optimization level, with overrides applied: %s",
+                        properties.describe())
+        return result()
+
+    def _prepare_model(self, run: _Run, index: int, model: torch.nn.Module,
+                       keep_fp32_modules) -> None:
+        props = run.properties
+        cast_type = props.cast_model_type
+        if cast_type in (torch.float16, torch.bfloat16):
+            keep_bn = bool(props.keep_batchnorm_fp32)
+            kept = casting.modules_kept_fp32(model, keep_bn, keep_fp32_modules)
+            kept_params = {id(p) for _, m in kept for p in m.parameters()}
+            if props.master_weights:
+                # Masters from the original fp32 values, before the cast rounds them.
+                for name, p in model.named_parameters():
+                    if p.is_floating_point() and id(p) not in kept_params:
+                        master = p.detach().clone()
+                        master.requires_grad_(p.requires_grad)
+                        run.master_pairs[index].append((name, p, master))
+                        run.master_of[p] = master
+                        run.model_of[master] = p
+            casting.cast_model(model, cast_type, kept)
+            if run.master_pairs[index]:
+                _follow_model_loads(model, run.master_pairs[index])
+        if cast_type is not None:
+            casting.wrap_forward(model, input_dtype=cast_type,
+                                 output_dtype=props.cast_model_outputs or torch.float32)
+        elif props.patch_torch_functions:
+            casting.wrap_forward(model, autocast_dtype=props.half_dtype,
+                                 output_dtype=props.cast_model_outputs)
+        elif props.cast_model_outputs is not None:
+            casting.wrap_forward(model, output_dtype=props.cast_model_outputs)
+        setattr(model, _MARK, props.opt_level)
+
+    def _take_over_optimizer(self, run: _Run, opt: torch.optim.Optimizer) -> None:
+        for group in opt.param_groups:
+            group["params"] = run.masters_for(group["params"], "amp.initialize")
+        for model_param, master in run.master_of.items():
+            if model_param in opt.state:
+                opt.state[master] = opt.state.pop(model_param)
+        amp_opt = AmpOptimizer(opt, run, run.model_of)
+        amp_opt.install()
+        run.optimizers.append(amp_opt)
+
+    # ---- scale_loss -------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def scale_loss(self, loss, optimizers, loss_id=0, model=None, delay_unscale=False,
+                   delay_overflow_check=False):
+        """apex's ``amp.scale_loss``; ``model`` is accepted for apex compatibility and unused."""
+        run = self._run
+        if run is None:
+            raise RuntimeError("amp.scale_loss was called before amp.initialize. Call "
+                               "model, optimizer = amp.initialize(model, optimizer, "
+                               "opt_level=...) first, then use the objects it returns.")
+        if not run.enabled:
+            yield loss
+            return
+        if not isinstance(loss, torch.Tensor) or not loss.is_floating_point():
+            kind = loss.dtype if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise TypeError(f"amp.scale_loss needs a floating-point loss tensor, got {kind}. "
+                            f"Pass the loss your criterion returned (before .item()).")
+        if loss.numel() != 1:
+            raise ValueError(f"amp.scale_loss needs a scalar loss, got shape {tuple(loss.shape)}. "
+                             f"Reduce it first, e.g. loss.mean() or loss.sum().")
+        if isinstance(loss_id, bool) or not isinstance(loss_id, int) \
+                or not 0 <= loss_id < len(run.scalers):
+            raise ValueError(f"loss_id={loss_id!r} is out of range: amp.initialize was called "
+                             f"with num_losses={len(run.scalers)}, so loss_id must be in "
+                             f"0..{len(run.scalers) - 1}")
+        opt_list, _ = _as_list(optimizers, torch.optim.Optimizer, "optimizers")
+        amp_opts: List[AmpOptimizer] = []
+        for i, opt in enumerate(opt_list):
+            amp_opt = getattr(opt, _MARK, None)
+            if amp_opt is None:
+                raise RuntimeError(f"optimizer {i} given to amp.scale_loss was not passed to "
+                                   f"amp.initialize; pass it there and use the returned "
+                                   f"optimizer")
+            if amp_opt.run is not run:
+                raise RuntimeError(f"optimizer {i} given to amp.scale_loss belongs to an earlier "
+                                   f"amp.initialize call; use the optimizers of the latest call")
+            if amp_opt not in amp_opts:
+                amp_opts.append(amp_opt)
+        scaler = run.scalers[loss_id]
+        loss_scale = scaler.loss_scale
+        for amp_opt in amp_opts:
+            amp_opt.check_can_accumulate(loss_id, loss_scale)
+
+        stashes = [amp_opt.before_backward() for amp_opt in amp_opts]
+        try:
+            yield loss.float() * loss_scale
+        except BaseException:
+            for amp_opt, stash in zip(amp_opts, stashes):
+                amp_opt.restore_stash(stash)
+            raise
+        check = None
+        if not delay_unscale:
+            inherited = [c for amp_opt in amp_opts if amp_opt.grad_state == UNSCALED
+                         for c in amp_opt.checks]
+            check = OverflowCheck(scaler, loss, verbosity=run.verbosity,
+                                  process_group=run.process_group, inherited=inherited)
+        for amp_opt, stash in zip(amp_opts, stashes):
+            amp_opt.after_backward(stash, loss_scale, loss_id, delay_unscale, check)
+        if check is not None and not delay_overflow_check:
+            check.resolve()
+
+    # ---- checkpoints ------------------------------------------------------------------------
+    def state_dict(self, destination=None) -> dict:
+        """apex's ``{"loss_scaler<i>": {"loss_scale", "unskipped"}}`` plus, under the versioned
+        key "apex_lite", the counters and O2 master weights a bitwise resume needs."""
+        run = self._run
+        state = OrderedDict() if destination is None else destination
+        if run is None or not run.enabled:
+            return state
+        for scaler in run.scalers:
+            state[f"loss_scaler{scaler.loss_id}"] = scaler.apex_state()
+        state[STATE_KEY] = {
+            "version": STATE_VERSION,
+            "opt_level": run.properties.opt_level,
+            "loss_scalers": [scaler.extra_state() for scaler in run.scalers],
+            "master_weights": [[master.detach().clone() for _, _, master in pairs]
+                               for pairs in run.master_pairs],
+        }
+        return state
+
+    def load_state_dict(self, state_dict) -> None:
+        """Load what ``state_dict`` (ours or apex's) wrote; refuses, changing nothing, a state
+        that does not fit this run."""
+        run = self._run
+        if run is None:
+            raise RuntimeError("amp.load_state_dict was called before amp.initialize. Call "
+                               "amp.initialize (with the opt level of the saved run) first, then "
+                               "load the model, optimizer and amp states.")
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"amp.load_state_dict takes the dict amp.state_dict() returned, got "
+                            f"{type(state_dict).__name__}")
+        if not run.enabled:
+            return
+        n = len(run.scalers)
+        expected = {f"loss_scaler{i}" for i in range(n)}
+        scaler_keys = {k for k in state_dict if k != STATE_KEY}
+        if scaler_keys != expected:
+            found = sorted(k for k in scaler_keys if str(k).startswith("loss_scaler"))
+            other = sorted(str(k) for k in scaler_keys if not str(k).startswith("loss_scaler"))
+            if other:
+                raise ValueError(f"this is not an amp state: unexpected keys {other}; "
+                                 f"amp.load_state_dict takes what amp.state_dict() returned")
+            raise ValueError(f"the amp state holds {len(found)} loss scaler(s) ({found}) but this "
+                             f"run has num_losses={n}; initialize with num_losses={len(found)} "
+                             f"to resume it")
+        extra = state_dict.get(STATE_KEY)
+        if extra is not None:
+            self._check_extra(run, extra)
+        for scaler in run.scalers:
+            key = f"loss_scaler{scaler.loss_id}"
+            scaler.check_state(key, state_dict[key],
+                               None if extra is None else extra["loss_scalers"][scaler.loss_id])
+        # Everything fits: apply.
+        for scaler in run.scalers:
+            key = f"loss_scaler{scaler.loss_id}"
+            scaler.load_state(state_dict[key],
+                              None if extra is None else extra["loss_scalers"][scaler.loss_id])
+        if extra is not None:
+            with torch.no_grad():
+                for pairs, saved in zip(run.master_pairs, extra["master_weights"]):
+                    for (_, model_param, master), value in zip(pairs, saved):
+                        master.copy_(value)
+                        model_param.copy_(master)
+
+    @staticmethod
+    def _check_extra(run: _Run, extra) -> None:
+        if not isinstance(extra, dict) or extra.get("version") != STATE_VERSION:
+            version = extra.get("version") if isinstance(extra, dict) else None
+            raise ValueError(f"the amp state's {STATE_KEY!r} entry has version {version!r}; this "
+                             f"apex_lite reads version {STATE_VERSION}")
+        if set(extra) != {"version", "opt_level", "loss_scalers", "master_weights"}:
+            raise ValueError(f"the amp state's {STATE_KEY!r} entry has keys {sorted(extra)}, "
+                             f"not those amp.state_dict() writes")
+        if extra["opt_level"] != run.properties.opt_level:
+            raise ValueError(f"the amp state was saved at opt_level {extra['opt_level']!r} but "
+                             f"this run uses {run.properties.opt_level!r}; initialize with "
+                             f"opt_level={extra['opt_level']!r} to resume it")
+        scalers = extra["loss_scalers"]
+        if not isinstance(scalers, list) or len(scalers) != len(run.scalers):
+            raise ValueError(f"the amp state's counters cover "
+                             f"{len(scalers) if isinstance(scalers, list) else '?'} loss "
+                             f"scaler(s) but this run has {len(run.scalers)}")
+        masters = extra["master_weights"]
+        if not isinstance(masters, list) or len(masters) != len(run.master_pairs):
+            raise ValueError(f"the amp state holds master weights for "
+                             f"{len(masters) if isinstance(masters, list) else '?'} model(s) but "
+                             f"this run has {len(run.master_pairs)}")
+        for m, (pairs, saved) in enumerate(zip(run.master_pairs, masters)):
+            if not isinstance(saved, list) or len(saved) != len(pairs):
+                raise ValueError(f"the amp state holds {len(saved) if isinstance(saved, list) else '?'}"
+                                 f" master weights for model {m}, which has {len(pairs)}")
+            for (name, _, master), value in zip(pairs, saved):
+                if not isinstance(value, torch.Tensor) or value.shape != master.shape \
+                        or value.dtype != torch.float32:
+                    got = (f"shape {tuple(value.shape)}, dtype {value.dtype}"
+                           if isinstance(value, torch.Tensor) else type(value).__name__)
+                    raise ValueError(f"the saved master weight for {name!r} of model {m} is "
+                                     f"{got}; this run's is shape {tuple(master.shape)}, "
+                                     f"torch.float32")
+
+    # ---- helpers ----------------------------------------------------------------------------
+    def master_params(self, optimizer: torch.optim.Optimizer):
+        """The tensors ``optimizer`` updates (the fp32 masters under O2), as apex: a generator."""
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                yield p
+
+
+def _level_brief(opt_level: str) -> str:
+    from .opt_levels import OPT_LEVELS
+    return OPT_LEVELS[opt_level].brief
+
+
+def _follow_model_loads(model: torch.nn.Module, pairs: List[tuple]) -> None:
+    """Keep O2 masters in step with ``model.load_state_dict`` after initialize: an incoming fp32
+    value becomes the master exactly; an incoming half value replaces the master only when it
+    differs from the master's rounding (so loading the half weights a run saved keeps the masters
+    that ``amp.load_state_dict`` restored, in either order)."""
+    incoming: Dict[int, torch.Tensor] = {}
+
+    def capture(module, state_dict, prefix, *args):
+        incoming.clear()
+        for name, _, master in pairs:
+            value = state_dict.get(prefix + name)
+            if isinstance(value, torch.Tensor) and value.dtype == torch.float32 \
+                    and value.shape == master.shape:
+                incoming[id(master)] = value
+
+    def apply(module, incompatible_keys):
+        with torch.no_grad():
+            for _, model_param, master in pairs:
+                value = incoming.get(id(master))
+                if value is not None:
+                    master.copy_(value)
+                elif not torch.equal(master.to(model_param.dtype), model_param):
+                    master.copy_(model_param)
+        incoming.clear()
+
+    model.register_load_state_dict_pre_hook(capture)
+    model.register_load_state_dict_post_hook(apply)

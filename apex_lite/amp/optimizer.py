@@ -1,0 +1,259 @@
+"""An optimizer under amp: unscaling its gradients, skipping its step, and O2's master weights.
+
+``initialize`` patches four methods on the optimizer instance (its class and its identity stay,
+so LR schedulers created before or after keep working): ``step``, ``zero_grad``,
+``add_param_group`` and nothing else; ``state_dict`` / ``load_state_dict`` need no patch because
+under O2 the ``param_groups`` hold the fp32 masters themselves, so optimizer state is keyed by,
+saved from and loaded into fp32 tensors.
+
+Gradient bookkeeping per optimizer (``grad_state``):
+- CLEAN: no gradient since ``zero_grad`` (or gradients that are None / zero);
+- SCALED: gradients hold a backward still multiplied by the loss scale (``delay_unscale=True``);
+- UNSCALED: gradients hold true values; another backward is accumulated with ``axpby`` into them.
+"""
+from __future__ import annotations
+
+import types
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from .. import multi_tensor
+from .overflow import OverflowCheck
+
+CLEAN, SCALED, UNSCALED = "clean", "scaled", "unscaled"
+
+
+class _DeviceGroup:
+    """The parameters of one optimizer on one device: ``model_params[i]`` receives the backward,
+    ``masters[i]`` is what the optimizer updates (the same tensor unless O2 cast it to half)."""
+
+    def __init__(self):
+        self.model_params: List[torch.Tensor] = []
+        self.masters: List[torch.Tensor] = []
+        self.half_models: List[torch.Tensor] = []   # the O2 pairs, for the copy after step()
+        self.half_masters: List[torch.Tensor] = []
+
+
+class AmpOptimizer:
+    """The amp state of one optimizer, reachable as ``optimizer._apex_lite_amp``."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, run, model_of: Dict[torch.Tensor,
+                 torch.Tensor]):
+        self.optimizer = optimizer
+        self.run = run
+        # master -> the model parameter whose .grad feeds it (itself when not cast).
+        self.model_of = model_of
+        self.grad_state = CLEAN
+        self.pending_scale: Optional[float] = None   # the scale of SCALED gradients
+        self.pending_loss_id: Optional[int] = None
+        self.checks: List[OverflowCheck] = []
+        self._groups: Optional[Dict[torch.device, _DeviceGroup]] = None
+        self._original_step = optimizer.step
+        self._original_zero_grad = optimizer.zero_grad
+        self._original_add_param_group = optimizer.add_param_group
+
+    # ---- installing ----------------------------------------------------------------------
+    def install(self) -> None:
+        opt = self.optimizer
+        step = _make_method("step")
+        if hasattr(self._original_step, "_wrapped_by_lr_sched"):
+            # An LR scheduler wrapped step() before initialize; it still runs inside ours.
+            step._wrapped_by_lr_sched = True
+        opt.step = types.MethodType(step, opt)
+        opt.zero_grad = types.MethodType(_make_method("zero_grad"), opt)
+        opt.add_param_group = types.MethodType(_make_method("add_param_group"), opt)
+        opt._apex_lite_amp = self
+
+    # ---- parameter grouping (cached; invalidated by add_param_group) ----------------------
+    def groups(self) -> Dict[torch.device, _DeviceGroup]:
+        if self._groups is None:
+            groups: Dict[torch.device, _DeviceGroup] = {}
+            seen = set()
+            for group in self.optimizer.param_groups:
+                for master in group["params"]:
+                    if id(master) in seen:
+                        continue
+                    seen.add(id(master))
+                    model_param = self.model_of.get(master, master)
+                    g = groups.setdefault(master.device, _DeviceGroup())
+                    g.model_params.append(model_param)
+                    g.masters.append(master)
+                    if model_param is not master:
+                        g.half_models.append(model_param)
+                        g.half_masters.append(master)
+            self._groups = groups
+        return self._groups
+
+    def masters(self) -> List[torch.Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    # ---- scale_loss's two halves ----------------------------------------------------------
+    def check_can_accumulate(self, loss_id: int, loss_scale: float) -> None:
+        """Raise, before any backward, when the next backward cannot join the pending one."""
+        if self.grad_state == SCALED and self.pending_scale != loss_scale:
+            raise RuntimeError(
+                f"delay_unscale=True left this optimizer's gradients multiplied by loss scaler "
+                f"{self.pending_loss_id}'s scale {self.pending_scale}, but this scale_loss uses "
+                f"loss scaler {loss_id} with scale {loss_scale}. Accumulate under one loss_id, or "
+                f"pass delay_unscale=False so each backward is unscaled on its own.")
+
+    def before_backward(self) -> Dict[int, torch.Tensor]:
+        """Move true (already unscaled) gradients aside so the backward writes fresh ones; the
+        stash is added back by ``after_backward``. O2's half gradients need no stash: their
+        unscaled values already live in the master gradients."""
+        stash: Dict[int, torch.Tensor] = {}
+        if self.grad_state != UNSCALED:
+            return stash
+        for group in self.groups().values():
+            for model_param, master in zip(group.model_params, group.masters):
+                if model_param is master and master.grad is not None:
+                    stash[id(master)] = master.grad
+                    master.grad = None
+        return stash
+
+    def restore_stash(self, stash: Dict[int, torch.Tensor]) -> None:
+        """Give stashed true gradients back when the backward raised (amp changes no state then;
+        a backward that failed half way may still have written some gradients itself)."""
+        for group in self.groups().values():
+            for master in group.masters:
+                old = stash.get(id(master))
+                if old is not None:
+                    master.grad = old
+
+    def after_backward(self, stash: Dict[int, torch.Tensor], loss_scale: float, loss_id: int,
+                       delay_unscale: bool, check: Optional[OverflowCheck]) -> None:
+        """Unscale the new gradients into the masters' gradients, adding the stash, flagging
+        non-finite values in ``check``; or, with ``delay_unscale``, leave them scaled."""
+        if delay_unscale:
+            for group in self.groups().values():
+                for model_param, master in zip(group.model_params, group.masters):
+                    if id(master) in stash:
+                        # Cannot happen for a CLEAN or SCALED optimizer; kept for safety.
+                        master.grad = stash[id(master)]
+            self.grad_state = SCALED
+            self.pending_scale = loss_scale
+            self.pending_loss_id = loss_id
+            return
+        inv_scale = 1.0 / loss_scale
+        accumulate = self.grad_state == UNSCALED
+        for device, group in self.groups().items():
+            found_inf = check.found_inf(device)
+            fresh_in: List[torch.Tensor] = []
+            fresh_out: List[torch.Tensor] = []
+            acc_new: List[torch.Tensor] = []
+            acc_into: List[torch.Tensor] = []
+            restore: List[Tuple[torch.Tensor, torch.Tensor]] = []
+            for model_param, master in zip(group.model_params, group.masters):
+                grad = model_param.grad
+                if model_param is master:
+                    old = stash.get(id(master))
+                    if grad is None:
+                        if old is not None:
+                            master.grad = old
+                    elif old is None:
+                        fresh_in.append(grad)
+                        fresh_out.append(grad)
+                    else:
+                        acc_new.append(grad)
+                        acc_into.append(old)
+                        restore.append((master, old))
+                elif grad is not None:
+                    if accumulate and master.grad is not None:
+                        acc_new.append(grad)
+                        acc_into.append(master.grad)
+                    else:
+                        if master.grad is None:
+                            master.grad = torch.empty_like(master)
+                        fresh_in.append(grad)
+                        fresh_out.append(master.grad)
+            if fresh_in:
+                multi_tensor.scale(fresh_in, fresh_out, inv_scale, found_inf)
+            if acc_new:
+                multi_tensor.axpby(acc_new, acc_into, acc_into, inv_scale, 1.0, found_inf)
+            for master, grad in restore:
+                master.grad = grad
+            for model_param in group.half_models:
+                # Their values are in the master grads now; None lets the next backward write
+                # fresh half gradients instead of accumulating into these scaled ones.
+                model_param.grad = None
+        self.grad_state = UNSCALED
+        self.pending_scale = None
+        self.pending_loss_id = None
+        self.checks.append(check)
+
+    # ---- the patched methods --------------------------------------------------------------
+    def step(self, closure=None):
+        if closure is not None:
+            raise RuntimeError(
+                "optimizer.step(closure) is not supported under apex_lite.amp: a closure "
+                "recomputes the loss and calls backward itself, outside amp.scale_loss, so its "
+                "gradients would be neither scaled nor checked. Compute the loss, run its "
+                "backward inside `with amp.scale_loss(loss, optimizer) as scaled: "
+                "scaled.backward()`, then call optimizer.step() without a closure.")
+        if self.grad_state == SCALED:
+            raise RuntimeError(
+                "optimizer.step() was called while this optimizer's gradients are still "
+                "multiplied by the loss scale: the last amp.scale_loss for it had "
+                "delay_unscale=True. End the accumulation with a scale_loss(..., "
+                "delay_unscale=False) before step().")
+        skip = False
+        for check in self.checks:
+            skip = check.resolve() or skip
+        self.checks = []
+        if skip:
+            # Tell an LR scheduler this step counted (torch's own flag), so skipped first steps
+            # do not make it warn that lr_scheduler.step() came before optimizer.step().
+            self.optimizer._opt_called = True
+            return None
+        result = self._original_step()
+        self.copy_masters_to_model()
+        return result
+
+    def copy_masters_to_model(self) -> None:
+        """O2: round the updated fp32 masters into the half model, one fused call per device."""
+        with torch.no_grad():
+            for device, group in self.groups().items():
+                if group.half_masters:
+                    scratch = torch.zeros(1, dtype=torch.float32, device=device)
+                    multi_tensor.scale(group.half_masters, group.half_models, 1.0, scratch)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._original_zero_grad(set_to_none=set_to_none)
+        for group in self.groups().values():
+            for model_param in group.half_models:
+                if model_param.grad is not None:
+                    if set_to_none:
+                        model_param.grad = None
+                    else:
+                        model_param.grad.zero_()
+        self.grad_state = CLEAN
+        self.pending_scale = None
+        self.pending_loss_id = None
+        self.checks = []
+
+    def add_param_group(self, param_group: dict) -> None:
+        group = dict(param_group)
+        params = group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        group["params"] = self.run.masters_for(params, "optimizer.add_param_group")
+        self._original_add_param_group(group)
+        self._groups = None
+
+
+def _make_method(name: str):
+    """A fresh function per optimizer (so attributes set on one do not leak to another) that
+    delegates to the optimizer's ``AmpOptimizer``; bound to the instance with MethodType, the
+    form torch's LR schedulers expect of ``optimizer.step``."""
+    if name == "step":
+        def step(optimizer, closure=None):
+            return optimizer._apex_lite_amp.step(closure)
+        return step
+    if name == "zero_grad":
+        def zero_grad(optimizer, set_to_none: bool = True):
+            return optimizer._apex_lite_amp.zero_grad(set_to_none)
+        return zero_grad
+
+    def add_param_group(optimizer, param_group):
+        return optimizer._apex_lite_amp.add_param_group(param_group)
+    return add_param_group

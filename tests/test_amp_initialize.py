@@ -1,0 +1,334 @@
+"""amp.initialize: return shapes, dtypes per opt level, O2 masters, casts, refusals."""
+import pickle
+
+import pytest
+import torch
+
+from amp_helpers import Net, batch, snapshot, assert_bitwise_equal
+from apex_lite import amp
+
+
+def _model_and_opt(cls=Net):
+    model = cls()
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+# ---- return shapes ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_return_shapes_follow_apex(enabled):
+    m1, o1 = _model_and_opt()
+    out = amp.initialize(m1, o1, opt_level="O1", enabled=enabled, verbosity=0)
+    assert out[0] is m1 and out[1] is o1
+    m2, o2 = _model_and_opt()
+    models, opts = amp.initialize([m2], [o2], opt_level="O1", enabled=enabled, verbosity=0)
+    assert models == [m2] and opts == [o2]
+    m3, o3 = _model_and_opt()
+    model, opts = amp.initialize(m3, [o3], opt_level="O1", enabled=enabled, verbosity=0)
+    assert model is m3 and opts == [o3]
+    m4, o4 = _model_and_opt()
+    models, opt = amp.initialize([m4], o4, opt_level="O1", enabled=enabled, verbosity=0)
+    assert models == [m4] and opt is o4
+    m5 = Net()
+    assert amp.initialize(m5, opt_level="O1", enabled=enabled, verbosity=0) is m5
+    m6 = Net()
+    assert amp.initialize([m6], opt_level="O1", enabled=enabled, verbosity=0) == [m6]
+
+
+def test_disabled_leaves_everything_untouched_and_scale_loss_yields_the_loss():
+    model, opt = _model_and_opt()
+    forward, step = model.forward, opt.step
+    amp.initialize(model, opt, opt_level="O2", enabled=False)
+    assert model.fc1.weight.dtype == torch.float32 and model.forward == forward
+    assert opt.step == step and not hasattr(opt, "_apex_lite_amp")
+    loss = model(batch(0)[0]).sum()
+    with amp.scale_loss(loss, opt) as scaled:
+        assert scaled is loss
+    assert amp.state_dict() == {}
+
+
+# ---- dtypes per opt level -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("level, fc_dtype, bn_dtype, master_dtype, out_dtype", [
+    ("O0", "fp32", "fp32", "fp32", "fp32"),
+    ("O1", "fp32", "fp32", "fp32", "half"),
+    ("O2", "half", "fp32", "fp32", "fp32"),
+    ("O3", "half", "half", "half", "fp32"),
+])
+def test_dtypes_per_level(level, fc_dtype, bn_dtype, master_dtype, out_dtype, half):
+    resolve = {"fp32": torch.float32, "half": half}
+    model, opt = _model_and_opt(lambda: Net(4, 4, 2))
+    model, opt = amp.initialize(model, opt, opt_level=level, half_dtype=half, verbosity=0)
+    x = torch.randn(8, 4)
+    out = model(x)
+    assert out.dtype == resolve[out_dtype]
+    assert model.fc1.weight.dtype == resolve[fc_dtype]
+    assert model.bn.weight.dtype == resolve[bn_dtype]
+    assert model.bn.running_mean.dtype == resolve[bn_dtype]
+    with amp.scale_loss(out.float().sum(), opt) as scaled:
+        scaled.backward()
+    masters = list(amp.master_params(opt))
+    assert masters[0].dtype == resolve[master_dtype]
+    assert all(m.grad is not None and m.grad.dtype == m.dtype for m in masters)
+    if level == "O2":
+        assert model.fc1.weight.grad is None          # moved into the fp32 master gradient
+        assert masters[0] is not model.fc1.weight
+    else:
+        assert masters[0] is model.fc1.weight
+    opt.step()
+
+
+def test_o2_masters_are_the_original_fp32_values_and_the_model_their_rounding():
+    model, opt = _model_and_opt()
+    original = [p.detach().clone() for p in model.parameters()]
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    masters = list(amp.master_params(opt))
+    assert len(masters) == len(original)
+    for o, m, p in zip(original, masters, model.parameters()):
+        torch.testing.assert_close(m, o, rtol=0, atol=0)      # not the rounded half values
+        torch.testing.assert_close(p, o.to(p.dtype), rtol=0, atol=0)
+
+
+def test_o2_step_copies_masters_into_the_half_model():
+    model, opt = _model_and_opt()
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    x, y = batch(0)
+    with amp.scale_loss(torch.nn.functional.mse_loss(model(x), y), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    for m, p in zip(amp.master_params(opt), model.parameters()):
+        torch.testing.assert_close(p, m.to(p.dtype), rtol=0, atol=0)
+
+
+def test_o2_inputs_are_cast_and_cast_model_outputs_is_honoured():
+    seen = {}
+
+    class Probe(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(3, 3)
+
+        def forward(self, x, extra, index):
+            seen["x"], seen["extra"], seen["index"] = x.dtype, extra["t"].dtype, index.dtype
+            return {"out": self.fc(x), "index": index}
+
+    model = amp.initialize(Probe(), opt_level="O2", cast_model_outputs=torch.bfloat16,
+                           verbosity=0)
+    out = model(torch.randn(2, 3), {"t": torch.randn(2)}, index=torch.arange(2))
+    assert seen == {"x": torch.bfloat16, "extra": torch.bfloat16, "index": torch.int64}
+    assert out["out"].dtype == torch.bfloat16 and out["index"].dtype == torch.int64
+
+
+@pytest.mark.parametrize("rule", [torch.nn.LayerNorm, "norm", "*norm"])
+def test_keep_fp32_modules_by_type_or_name(rule):
+    class WithNorm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+            self.norm = torch.nn.LayerNorm(4)
+            self.head = torch.nn.Linear(4, 1)
+
+        def forward(self, x):
+            return self.head(self.norm(self.fc(x)))
+
+    model = WithNorm()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", keep_fp32_modules=[rule],
+                                verbosity=0)
+    assert model.norm.weight.dtype == torch.float32 and model.fc.weight.dtype == torch.bfloat16
+    assert model(torch.randn(2, 4)).dtype == torch.float32
+    # Kept params are their own masters; only the cast ones get fp32 copies.
+    masters = list(amp.master_params(opt))
+    assert any(m is model.norm.weight for m in masters)
+    assert not any(m is model.fc.weight for m in masters)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(opt_level="O2", keep_fp32_modules=["nonexistent"]), "matches no module"),
+    (dict(opt_level="O2", keep_fp32_modules=[42]), "takes nn.Module subclasses or module names"),
+    (dict(opt_level="O1", keep_fp32_modules=[torch.nn.LayerNorm]), "does not cast the model"),
+])
+def test_bad_keep_fp32_modules(kwargs, message):
+    model, opt = _model_and_opt()
+    with pytest.raises((ValueError, TypeError), match=message):
+        amp.initialize(model, opt, verbosity=0, **kwargs)
+    assert model.fc1.weight.dtype == torch.float32
+
+
+def test_initialized_model_still_pickles():
+    model = amp.initialize(Net(), opt_level="O1", verbosity=0)
+    clone = pickle.loads(pickle.dumps(model))
+    x = torch.randn(4, 8)
+    model.eval(), clone.eval()
+    torch.testing.assert_close(clone(x), model(x), rtol=0, atol=0)
+
+
+# ---- O1 function casts --------------------------------------------------------------------------
+
+def test_o1_runs_the_forward_under_autocast_without_touching_torch():
+    matmul, linear = torch.matmul, torch.nn.functional.linear
+    model = amp.initialize(torch.nn.Linear(4, 4), opt_level="O1", verbosity=0)
+    assert model(torch.randn(2, 4)).dtype == torch.bfloat16
+    assert torch.matmul is matmul and torch.nn.functional.linear is linear
+    assert torch.nn.Linear(4, 4)(torch.randn(2, 4)).dtype == torch.float32   # only the model
+
+
+@pytest.mark.parametrize("decorator, inputs, expected", [
+    (amp.half_function, (torch.float32, torch.float32), torch.bfloat16),
+    (amp.float_function, (torch.bfloat16, torch.float32), torch.float32),
+    (amp.promote_function, (torch.bfloat16, torch.float32), torch.float32),
+    (amp.promote_function, (torch.bfloat16, torch.bfloat16), torch.bfloat16),
+])
+def test_function_decorators_under_autocast(decorator, inputs, expected):
+    seen = []
+
+    def add(a, b):
+        seen.append((a.dtype, b.dtype))
+        return a + b
+
+    fn = decorator(add)
+    a, b = (torch.ones(3, dtype=d) for d in inputs)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert fn(a, b).dtype == expected
+    assert seen == [(expected, expected)]
+    # Outside autocast the function runs as written.
+    assert fn(a, b).dtype == torch.promote_types(*inputs)
+    assert seen[-1] == inputs
+
+
+def test_register_functions_and_disable_casts():
+    import types
+    module = types.SimpleNamespace(mm=lambda a, b: a @ b, softmax=lambda t: torch.softmax(t, -1))
+    amp.register_float_function(module, "softmax")
+    amp.register_half_function(module, "mm")
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, x):
+            soft = module.softmax(x.to(torch.bfloat16))
+            prod = module.mm(x, self.w)
+            with amp.disable_casts():
+                plain = x @ self.w
+            return soft, prod, plain
+
+    model = amp.initialize(Model(), opt_level="O1", verbosity=0)
+    soft, prod, plain = model(torch.randn(2, 4))
+    assert (soft.dtype, prod.dtype, plain.dtype) == (torch.float32, torch.bfloat16, torch.float32)
+    with pytest.raises(ValueError, match="No function named 'nope'"):
+        amp.register_half_function(module, "nope")
+
+
+# ---- refusals: message names problem and fix, nothing changes ------------------------------------
+
+def _state_of(model, opt):
+    return (snapshot(model), model.forward, [p.dtype for p in model.parameters()],
+            [list(g["params"]) for g in opt.param_groups], opt.step, hasattr(opt, "_apex_lite_amp"))
+
+
+def _assert_unchanged(before, model, opt):
+    assert_bitwise_equal(before[0], snapshot(model))
+    assert model.forward == before[1]
+    assert [p.dtype for p in model.parameters()] == before[2]
+    assert [list(g["params"]) for g in opt.param_groups] == before[3]
+    assert opt.step == before[4] and hasattr(opt, "_apex_lite_amp") == before[5]
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_refuses_a_model_that_is_not_fp32(level):
+    model, opt = _model_and_opt()
+    model.bfloat16()
+    before = _state_of(model, opt)
+    with pytest.raises(ValueError, match="'fc1.weight' of model 0 is torch.bfloat16") as err:
+        amp.initialize(model, opt, opt_level=level, verbosity=0)
+    assert "O2 casts the model to half and keeps fp32 master weights" in str(err.value)
+    _assert_unchanged(before, model, opt)
+
+
+def test_refuses_the_same_optimizer_twice():
+    model, opt = _model_and_opt()
+    amp.initialize(model, opt, opt_level="O1", verbosity=0)
+    other = Net()
+    with pytest.raises(RuntimeError, match="optimizer 0 .* was already passed to amp.initialize"):
+        amp.initialize(other, opt, opt_level="O2", verbosity=0)
+    assert other.fc1.weight.dtype == torch.float32
+    assert amp.default_handle()._run.properties.opt_level == "O1"
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "dp"])
+def test_refuses_a_model_already_wrapped_for_parallelism(wrapper, tmp_path):
+    import torch.distributed as dist
+    inner = Net()
+    if wrapper == "ddp":
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
+                                world_size=1)
+        model = torch.nn.parallel.DistributedDataParallel(inner)
+    else:
+        model = torch.nn.DataParallel(inner)
+    try:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        before = _state_of(inner, opt)
+        with pytest.raises(RuntimeError, match="must be applied AFTER amp.initialize"):
+            amp.initialize(model, opt, opt_level="O2", verbosity=0)
+        _assert_unchanged(before, inner, opt)
+    finally:
+        if wrapper == "ddp":
+            dist.destroy_process_group()
+
+
+def test_refuses_an_optimizer_with_parameters_outside_the_models():
+    model, other = Net(), Net()
+    opt = torch.optim.SGD(list(model.parameters()) + list(other.parameters()), lr=0.1)
+    before = _state_of(model, opt)
+    with pytest.raises(ValueError, match=r"not a parameter of the model\(s\) passed to "
+                                         r"amp.initialize. Pass every model"):
+        amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    _assert_unchanged(before, model, opt)
+    # Passing both models is the fix.
+    amp.initialize([model, other], opt, opt_level="O2", verbosity=0)
+
+
+def test_refuses_a_model_initialised_twice():
+    model = amp.initialize(Net(), opt_level="O1", verbosity=0)
+    with pytest.raises(RuntimeError, match="already passed to amp.initialize"):
+        amp.initialize(model, opt_level="O1", verbosity=0)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(num_losses=0), "num_losses must be an int >= 1"),
+    (dict(hysteresis=0), "hysteresis must be an int >= 1"),
+    (dict(min_loss_scale=8.0, max_loss_scale=4.0), "is above max_loss_scale"),
+    (dict(max_loss_scale=float("inf")), "max_loss_scale must be a positive finite"),
+    (dict(verbosity=-1), "verbosity must be an int >= 0"),
+])
+def test_refuses_bad_scaler_arguments(kwargs, message):
+    model, opt = _model_and_opt()
+    before = _state_of(model, opt)
+    with pytest.raises(ValueError, match=message):
+        amp.initialize(model, opt, opt_level="O2", verbosity=kwargs.pop("verbosity", 0), **kwargs)
+    _assert_unchanged(before, model, opt)
+
+
+def test_reinitialising_starts_clean():
+    model, opt = _model_and_opt()
+    amp.initialize(model, opt, opt_level="O1", loss_scale=128.0, verbosity=0)
+    model2, opt2 = _model_and_opt()
+    amp.initialize(model2, opt2, opt_level="O2", num_losses=2, verbosity=0)
+    state = amp.state_dict()
+    assert state["loss_scaler0"] == {"loss_scale": 65536.0, "unskipped": 0}
+    assert "loss_scaler1" in state
+    with pytest.raises(RuntimeError, match="belongs to an earlier amp.initialize"):
+        with amp.scale_loss(model(batch(0)[0]).sum(), opt):
+            pass
+
+
+def test_initialize_logs_the_level_subject_to_verbosity(caplog):
+    caplog.set_level("INFO", logger="apex_lite.amp")
+    amp.initialize(Net(), opt_level="O2", verbosity=1)
+    assert "Selected optimization level O2" in caplog.text
+    caplog.clear()
+    amp.initialize(Net(), opt_level="O2", verbosity=0)
+    assert caplog.text == ""

@@ -1,0 +1,370 @@
+"""Loss scaling: the dynamic rule, skipped steps, several losses and optimizers, accumulation,
+logging, and the one host sync per step."""
+import logging
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from amp_helpers import Net, batch, inject_inf, snapshot, assert_bitwise_equal, train_step
+from apex_lite import amp
+from apex_lite.amp.scaler import LossScaler
+
+SKIP_LINE = "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 32768.0"
+
+
+def _setup(level="O2", opt_cls=torch.optim.Adam, **kwargs):
+    model = Net()
+    opt = opt_cls(model.parameters(), lr=1e-2)
+    kwargs.setdefault("verbosity", 0)
+    return amp.initialize(model, opt, opt_level=level, **kwargs)
+
+
+# ---- the rule, on the scaler itself -------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, events, scales", [
+    # apex's defaults: halve on each overflow, double after scale_window clean steps.
+    (dict(), "o", [32768.0]),
+    (dict(), "ooo", [32768.0, 16384.0, 8192.0]),
+    (dict(scale_window=3), "...", [65536.0, 65536.0, 131072.0]),
+    (dict(scale_window=3), "..o...", [65536.0, 65536.0, 32768.0, 32768.0, 32768.0, 65536.0]),
+    # ceiling: the initial scale is capped too, and growth stops there.
+    (dict(max_loss_scale=1024.0, scale_window=1), "..", [1024.0, 1024.0]),
+    (dict(max_loss_scale=2.0 ** 17, scale_window=1), "...", [2.0 ** 17] * 3),
+    # floor
+    (dict(min_loss_scale=16384.0), "oooo", [32768.0, 16384.0, 16384.0, 16384.0]),
+    # hysteresis: two overflows per halving; growth resets it.
+    (dict(hysteresis=2), "oooo", [65536.0, 32768.0, 32768.0, 16384.0]),
+    (dict(hysteresis=2, scale_window=1), "o.o", [65536.0, 131072.0, 131072.0]),
+])
+def test_dynamic_rule(kwargs, events, scales):
+    kwargs = {"min_loss_scale": None, "max_loss_scale": 2.0 ** 24, **kwargs}
+    scaler = LossScaler(0, "dynamic", **kwargs)
+    seen = []
+    for event in events:
+        scaler.update(event == "o")
+        seen.append(scaler.loss_scale)
+    assert seen == scales
+    assert scaler.steps == len(events) and scaler.skipped_steps == events.count("o")
+    assert scaler.last_step_skipped == (events[-1] == "o")
+
+
+def test_static_scale_never_moves_but_still_skips():
+    scaler = LossScaler(0, 128.0, min_loss_scale=None, max_loss_scale=2.0 ** 24, scale_window=1)
+    for overflow in (True, False, False, True):
+        scaler.update(overflow)
+        assert scaler.loss_scale == 128.0
+    assert scaler.skipped_steps == 2
+
+
+# ---- skipped steps change nothing ---------------------------------------------------------------
+
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_a_step_with_nonfinite_grads_is_skipped_bit_for_bit(level, bad, caplog):
+    model, opt = _setup(level, verbosity=1)
+    for step in range(3):
+        train_step(model, opt, step, amp)
+    before = snapshot(model, opt)
+    scale = amp.default_handle()._run.scalers[0].loss_scale
+    handle = model.fc1.weight.register_hook(lambda g: g.masked_fill(g.new_ones(g.shape).bool()
+                                                                    .tril(), bad))
+    with caplog.at_level(logging.WARNING, logger="apex_lite.amp"):
+        train_step(model, opt, 3, amp)
+    handle.remove()
+    assert_bitwise_equal(before, snapshot(model, opt))
+    scaler = amp.default_handle()._run.scalers[0]
+    assert scaler.last_step_skipped and scaler.skipped_steps == 1
+    assert scaler.loss_scale == (scale / 2 if scaler.dynamic else scale)
+    assert "Gradient overflow.  Skipping step, loss scaler 0" in caplog.text
+    train_step(model, opt, 4, amp)           # and training goes on
+    assert not scaler.last_step_skipped
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_skip_log_has_apex_text(caplog):
+    model, opt = _setup("O1", verbosity=1)
+    hook = inject_inf(model.fc2.bias)
+    with caplog.at_level(logging.WARNING, logger="apex_lite.amp"):
+        train_step(model, opt, 0, amp)
+    hook.remove()
+    assert [r.getMessage() for r in caplog.records if r.name == "apex_lite.amp"] == [SKIP_LINE]
+
+
+def test_nonfinite_loss_is_named_as_such(caplog):
+    model, opt = _setup("O2", verbosity=1)
+    loss = model(batch(0)[0]).sum() * float("nan")
+    with caplog.at_level(logging.WARNING, logger="apex_lite.amp"):
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+    opt.step()
+    assert ("Loss is inf or NaN (the forward produced a non-finite loss, not a scaling "
+            "problem).  Skipping step, loss scaler 0 reducing loss scale to 32768.0"
+            ) in caplog.text
+
+
+def test_static_scale_skip_is_logged_and_verbosity_zero_is_silent(caplog):
+    model, opt = _setup("O2", loss_scale=128.0, verbosity=1)
+    hook = inject_inf(model.fc2.bias)
+    with caplog.at_level(logging.WARNING, logger="apex_lite.amp"):
+        train_step(model, opt, 0, amp)
+    assert "Gradient overflow.  Skipping step, loss scaler 0 keeping its static loss scale " \
+           "128.0" in caplog.text
+    caplog.clear()
+    model, opt = _setup("O2", verbosity=0)
+    inject_inf(model.fc2.bias)
+    with caplog.at_level(logging.DEBUG, logger="apex_lite.amp"):
+        train_step(model, opt, 0, amp)
+    assert caplog.text == ""
+    hook.remove()
+
+
+def test_growth_after_the_window_in_training():
+    model, opt = _setup("O2", scale_window=4)
+    for step in range(4):
+        train_step(model, opt, step, amp)
+    assert amp.state_dict()["loss_scaler0"] == {"loss_scale": 131072.0, "unskipped": 0}
+
+
+# ---- several models, optimizers and losses ------------------------------------------------------
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_only_the_optimizers_given_to_the_overflowing_loss_skip(level):
+    gen, disc = Net(), Net()
+    opt_g = torch.optim.Adam(gen.parameters(), lr=1e-2)
+    opt_d = torch.optim.SGD(disc.parameters(), lr=1e-2, momentum=0.9)
+    [gen, disc], [opt_g, opt_d] = amp.initialize([gen, disc], [opt_g, opt_d], opt_level=level,
+                                                 num_losses=3, verbosity=0)
+    scalers = amp.default_handle()._run.scalers
+    x, y = batch(0)
+    for step in range(2):
+        for opt in (opt_g, opt_d):
+            opt.zero_grad()
+        # Two discriminator losses accumulated before its step (as apex's DCGAN), the first
+        # overflowing on the second iteration.
+        hook = inject_inf(disc.fc2.bias) if step == 1 else None
+        with amp.scale_loss(disc(x).float().mean(), opt_d, loss_id=0) as scaled:
+            scaled.backward()
+        if hook:
+            hook.remove()
+        with amp.scale_loss((disc(y.expand(-1, 8)).float() ** 2).mean(), opt_d,
+                            loss_id=1) as scaled:
+            scaled.backward()
+        before_d = snapshot(disc, opt_d)
+        opt_d.step()
+        before_g = snapshot(gen, opt_g)
+        with amp.scale_loss(torch.nn.functional.mse_loss(gen(x).float(), y), opt_g,
+                            loss_id=2) as scaled:
+            scaled.backward()
+        opt_g.step()
+    assert_bitwise_equal(before_d, snapshot(disc, opt_d))        # the last step was skipped
+    with pytest.raises(AssertionError):
+        assert_bitwise_equal(before_g, snapshot(gen, opt_g))      # the generator stepped
+    assert [s.loss_scale for s in scalers] == [32768.0, 65536.0, 65536.0]
+    assert [s.skipped_steps for s in scalers] == [1, 0, 0]
+
+
+# ---- accumulation -------------------------------------------------------------------------------
+
+def _micro_batch_loss(model, micro_batch):
+    x, y = micro_batch
+    return torch.nn.functional.mse_loss(model(x).float(), y)
+
+
+@pytest.mark.parametrize("level, delay_unscale, rtol", [
+    # Unscaling by a power of two is exact and accumulation happens in fp32, so these match the
+    # sum of separately unscaled gradients bit for bit.
+    ("O0", False, 0.0), ("O0", True, 0.0), ("O1", False, 0.0), ("O1", True, 0.0),
+    ("O2", False, 0.0),
+    # O2 with delay_unscale accumulates the scaled gradients in the half model: bf16 rounding.
+    ("O2", True, 2e-2),
+])
+def test_gradient_accumulation(level, delay_unscale, rtol):
+    micro = [batch(i) for i in range(3)]
+    torch.manual_seed(7)
+    model, opt = _setup(level, opt_cls=torch.optim.SGD)
+    expected = None
+    for i in range(len(micro)):       # reference: each micro-batch on its own, summed in fp32
+        opt.zero_grad()
+        with amp.scale_loss(_micro_batch_loss(model, micro[i]), opt) as scaled:
+            scaled.backward()
+        grads = [m.grad.clone() for m in amp.master_params(opt)]
+        expected = grads if expected is None else [e + g for e, g in zip(expected, grads)]
+    torch.manual_seed(7)
+    model, opt = _setup(level, opt_cls=torch.optim.SGD)
+    opt.zero_grad()
+    for i in range(len(micro)):
+        last = i == len(micro) - 1
+        with amp.scale_loss(_micro_batch_loss(model, micro[i]), opt,
+                            delay_unscale=delay_unscale and not last) as scaled:
+            scaled.backward()
+    for grad, master in zip(expected, amp.master_params(opt)):
+        torch.testing.assert_close(master.grad, grad, rtol=rtol, atol=rtol * 1e-2)
+    opt.step()
+
+
+def test_accumulation_without_zero_grad_after_step_adds_like_torch():
+    model, opt = _setup("O0", opt_cls=torch.optim.SGD)
+    x, y = batch(0)
+    for _ in range(2):     # no zero_grad in between: torch semantics, gradients add up
+        with amp.scale_loss(torch.nn.functional.mse_loss(model(x), y), opt) as scaled:
+            scaled.backward()
+    reference = Net()
+    reference.load_state_dict(model.state_dict())
+    for _ in range(2):
+        torch.nn.functional.mse_loss(reference(x), y).backward()
+    for p, r in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, rtol=0, atol=0)
+
+
+def test_step_refused_while_gradients_are_still_scaled():
+    model, opt = _setup("O2")
+    with amp.scale_loss(model(batch(0)[0]).sum(), opt, delay_unscale=True) as scaled:
+        scaled.backward()
+    before = snapshot(model, opt)
+    with pytest.raises(RuntimeError, match="still multiplied by the loss scale"):
+        opt.step()
+    assert_bitwise_equal(before, snapshot(model, opt))
+
+
+def test_delayed_unscale_across_loss_scalers_with_different_scales_is_refused():
+    model, opt = _setup("O2", num_losses=2)
+    amp.default_handle()._run.scalers[1].loss_scale = 8.0
+    with amp.scale_loss(model(batch(0)[0]).sum(), opt, loss_id=0, delay_unscale=True) as s:
+        s.backward()
+    with pytest.raises(RuntimeError, match="Accumulate under one loss_id"):
+        with amp.scale_loss(model(batch(0)[0]).sum(), opt, loss_id=1):
+            pass
+
+
+# ---- unscaled at the end of the context ---------------------------------------------------------
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_grads_are_true_grads_after_the_context_so_clipping_works(level):
+    x, y = batch(0)
+    torch.manual_seed(3)
+    reference = Net()
+    torch.nn.functional.mse_loss(reference(x), y).backward()
+    torch.manual_seed(3)
+    model, opt = _setup(level, opt_cls=torch.optim.SGD)
+    with amp.scale_loss(torch.nn.functional.mse_loss(model(x).float(), y), opt) as scaled:
+        scaled.backward()
+    masters = list(amp.master_params(opt))
+    for master, ref in zip(masters, reference.parameters()):
+        torch.testing.assert_close(master.grad, ref.grad, rtol=3e-2, atol=3e-2)
+    norm = torch.nn.utils.clip_grad_norm_(masters, max_norm=1e9)
+    ref_norm = torch.nn.utils.clip_grad_norm_(list(reference.parameters()), max_norm=1e9)
+    torch.testing.assert_close(norm, ref_norm, rtol=3e-2, atol=0)
+
+
+def test_delay_overflow_check_defers_the_decision_to_step():
+    model, opt = _setup("O2")
+    scaler = amp.default_handle()._run.scalers[0]
+    hook = inject_inf(model.fc2.bias)
+    with amp.scale_loss(model(batch(0)[0]).sum(), opt, delay_overflow_check=True) as scaled:
+        scaled.backward()
+    hook.remove()
+    assert scaler.steps == 0 and scaler.loss_scale == 65536.0
+    before = snapshot(model, opt)
+    opt.step()
+    assert scaler.steps == 1 and scaler.loss_scale == 32768.0
+    assert_bitwise_equal(before, snapshot(model, opt))
+
+
+# ---- cost: fused calls and host syncs -----------------------------------------------------------
+
+class _CountSyncs(TorchFunctionMode):
+    SYNCS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "nonzero", "cpu",
+             "numpy"}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.SYNCS:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
+def test_one_host_sync_and_one_fused_call_per_step(level, monkeypatch):
+    from apex_lite.amp import optimizer as amp_optimizer
+    model, opt = _setup(level, opt_cls=torch.optim.SGD)
+    calls = []
+    real_scale = amp_optimizer.multi_tensor.scale
+    monkeypatch.setattr(amp_optimizer.multi_tensor, "scale",
+                        lambda *a: calls.append(len(a[0])) or real_scale(*a))
+    x, y = batch(0)
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(x).float(), y)
+    with _CountSyncs() as syncs:
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+    assert syncs.count == 1
+    n = len(list(model.parameters()))
+    assert calls == ([n, 4] if level == "O2" else [n])   # unscale; O2: copy of the 4 cast params
+
+
+def test_found_inf_is_all_reduced_when_distributed(tmp_path, monkeypatch):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        reduced = []
+        real = dist.all_reduce
+        monkeypatch.setattr(dist, "all_reduce",
+                            lambda t, op, group=None: reduced.append(op) or real(t, op, group))
+        model, opt = _setup("O2")
+        hook = inject_inf(model.fc2.bias)
+        train_step(model, opt, 0, amp)
+        hook.remove()
+        assert reduced == [dist.ReduceOp.MAX]
+        assert amp.default_handle()._run.scalers[0].loss_scale == 32768.0
+    finally:
+        dist.destroy_process_group()
+
+
+# ---- bad input ----------------------------------------------------------------------------------
+
+def test_scale_loss_before_initialize():
+    model = Net()
+    with pytest.raises(RuntimeError, match="amp.scale_loss was called before amp.initialize"):
+        with amp.scale_loss(model(batch(0)[0]).sum(), torch.optim.SGD(model.parameters(), 0.1)):
+            pass
+
+
+@pytest.mark.parametrize("make_loss, error, message", [
+    (lambda out: out.sum().long(), TypeError, "needs a floating-point loss tensor, got "
+                                              "torch.int64"),
+    (lambda out: 3.0, TypeError, "needs a floating-point loss tensor, got float"),
+    (lambda out: out, ValueError, r"needs a scalar loss, got shape \(32, 1\)"),
+])
+def test_bad_losses_are_refused_and_change_nothing(make_loss, error, message):
+    model, opt = _setup("O2")
+    train_step(model, opt, 0, amp)
+    before = snapshot(model, opt)
+    scaler_state = amp.state_dict()["loss_scaler0"]
+    with pytest.raises(error, match=message):
+        with amp.scale_loss(make_loss(model(batch(1)[0])), opt):
+            pass
+    assert_bitwise_equal(before, snapshot(model, opt))
+    assert amp.state_dict()["loss_scaler0"] == scaler_state
+
+
+def test_bad_loss_id_and_foreign_optimizer():
+    model, opt = _setup("O1", num_losses=2)
+    loss = model(batch(0)[0]).sum()
+    with pytest.raises(ValueError, match="loss_id=2 is out of range.*num_losses=2"):
+        with amp.scale_loss(loss, opt, loss_id=2):
+            pass
+    stranger = torch.optim.SGD(Net().parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="was not passed to amp.initialize"):
+        with amp.scale_loss(loss, stranger):
+            pass
+
+
+def test_closure_is_refused_with_the_way_out():
+    model, opt = _setup("O1")
+    with pytest.raises(RuntimeError, match="optimizer.step\\(closure\\) is not supported"):
+        opt.step(lambda: 0.0)
