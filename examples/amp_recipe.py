@@ -117,7 +117,7 @@ class PeakMemory:
         return (peak - self.baseline) / 2**20
 
 
-def train(opt_level, data, args, device, memory: PeakMemory):
+def train(opt_level, data, args, device, memory: PeakMemory, log: bool = True):
     """Train a fresh model; opt_level None is the recipe's default-precision loop."""
     memory.start()
     torch.manual_seed(1)   # the same initial weights for every run
@@ -147,7 +147,9 @@ def train(opt_level, data, args, device, memory: PeakMemory):
             step_ms.append((time.perf_counter() - start) * 1e3)
             if epoch == args.epochs - 1:
                 last_epoch_losses.append(loss.item())
-        LOG.info("%s epoch %d: loss %.4f", opt_level or "default precision", epoch, loss.item())
+        if log:
+            LOG.info("%s epoch %d: loss %.4f", opt_level or "default precision", epoch,
+                     loss.item())
     return {"ms_per_step": statistics.median(step_ms), "peak_mib": memory.peak_mib(),
             "final_loss": statistics.fmean(last_epoch_losses)}
 
@@ -191,6 +193,14 @@ def main(argv=None) -> int:
     opt_levels = [level for level in args.opt_levels.split(",") if level]
     LOG.info("device %s, batch %d, width %d, %d layers, %d batches x %d epochs",
              device, args.batch_size, args.width, args.layers, args.batches, args.epochs)
+
+    # A throw-away pass on a tiny model first: the kernels and libraries each configuration
+    # loads on first use would otherwise count as the first run's memory.
+    tiny = argparse.Namespace(**{**vars(args), "batch_size": 8, "width": 8, "batches": 1,
+                                 "epochs": 1})
+    tiny_data = make_data(tiny, device)
+    for level in [None] + opt_levels:
+        train(level, tiny_data, tiny, device, PeakMemory(device), log=False)
 
     data = make_data(args, device)
     memory = PeakMemory(device)
