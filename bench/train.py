@@ -59,14 +59,16 @@ HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # Sizes per preset. "cpu" runs in a few minutes on 2 cores; "gpu" is the recipe at full size
 # (batch 512, width 4096, 3 layers) and proportionally larger conv net and transformer.
 PRESETS: Dict[str, Dict[str, dict]] = {
+    # Sized for CPUs whose bf16 matmul is slow: on AVX2-only CPUs (no AVX512-BF16 / AMX)
+    # torch's bf16 GEMM falls back to a reference kernel (~0.8 GFLOP/s on this machine's kind,
+    # against tens of GFLOP/s in fp32), and bf16 convolutions run ~7x slower than fp32 ones.
+    # The MLP's weights dominate its memory (batch 16, 1024 wide).
     "cpu": {
-        "mlp": dict(batch=256, width=2048, layers=3, batches=8, lr=1e-2),
-        # Small: on CPUs without bf16 arithmetic (AVX512-BF16, AMX) bf16 convolutions run
-        # several times slower than fp32 ones (measured ~7x on this machine's kind).
+        "mlp": dict(batch=16, width=1024, layers=3, batches=8, lr=1e-2),
         "cnn": dict(batch=32, image=16, channels=(16, 32, 64), classes=10, batches=8, lr=0.05),
-        "transformer": dict(batch=32, seq=64, vocab=512, d_model=256, heads=4, ff=1024,
+        "transformer": dict(batch=8, seq=32, vocab=128, d_model=64, heads=4, ff=128,
                             layers=2, batches=8, lr=1e-3),
-        "steps": dict(warmup=5, rounds=6, per_round=5, final_window=5),
+        "steps": dict(warmup=3, rounds=5, per_round=4, final_window=4),
     },
     "gpu": {
         "mlp": dict(batch=512, width=4096, layers=3, batches=50, lr=1e-2),
@@ -461,6 +463,27 @@ def measure_workload(workload: str, variants: List[str], args) -> Dict[str, dict
     return results
 
 
+def matmul_check(device: torch.device, half_dtype: torch.dtype, threads: int) -> dict:
+    """Median times of one 128x512 @ 512x512 matmul in fp32 and in the half type: whether
+    this device can make mixed precision faster at all."""
+    if device.type == "cpu":
+        torch.set_num_threads(threads)
+    a, b = torch.randn(128, 512, device=device), torch.randn(512, 512, device=device)
+    result = {}
+    for name, dtype in (("fp32", torch.float32), ("half", half_dtype)):
+        x, y = a.to(dtype), b.to(dtype)
+        times = []
+        for _ in range(5):
+            _sync(device)
+            start = time.perf_counter()
+            x @ y
+            _sync(device)
+            times.append((time.perf_counter() - start) * 1e3)
+        result[f"{name}_ms"] = statistics.median(times)
+    result["half_over_fp32"] = result["half_ms"] / result["fp32_ms"]
+    return result
+
+
 def mlp_overrides(args) -> dict:
     return {"batch": args.mlp_batch, "width": args.mlp_width, "layers": args.mlp_layers}
 
@@ -624,11 +647,15 @@ def main(argv=None) -> int:
         parser.error("--device cuda given but torch.cuda.is_available() is False")
     LOG.info("preset %s on %s, half dtype %s, %d thread(s); variants %s",
              args.preset, args.device, args.half_dtype, args.threads, ", ".join(variants))
+    check = matmul_check(torch.device(args.device), HALF_DTYPES[args.half_dtype], args.threads)
+    check_line = (f"matmul 128x512x512 here: fp32 {check['fp32_ms']:.2f} ms, {args.half_dtype} "
+                  f"{check['half_ms']:.2f} ms ({check['half_over_fp32']:.1f}x fp32's time)")
+    LOG.info("%s", check_line)
     all_results = {}
     for workload in workloads:
         LOG.info("%s: starting %d workers", workload, len(variants))
         all_results[workload] = measure_workload(workload, variants, args)
-    lines = summarise(all_results, args.loss_rtol)
+    lines = summarise(all_results, args.loss_rtol) + ["", check_line]
     print("\n".join(lines))
     suffix = "_smoke" if args.preset == "smoke" else ""
     json_path = args.json or REPO_ROOT / "bench" / "results" / \
@@ -640,6 +667,7 @@ def main(argv=None) -> int:
                                                       for w in workloads},
                    "torch": torch.__version__, "python": platform.python_version(),
                    "machine": platform.machine(), "cpu_count": os.cpu_count()},
+        "matmul_check": check,
         "results": all_results,
         "summary": lines,
     }

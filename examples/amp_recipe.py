@@ -13,8 +13,10 @@ Prints one table: opt level, median ms/step, peak memory, final loss.
     python examples/amp_recipe.py --full        # the recipe's sizes (for a GPU): batch 512,
                                                 #   4096 wide, 3 layers, 50 batches x 3 epochs
 
-On CPU the half type is bfloat16 (CPUs without fp16 arithmetic run fp16 matmuls very slowly);
-on CUDA it is float16. Choose with --half-dtype.
+On CPU the half type is bfloat16, on CUDA float16 (choose with --half-dtype). Mixed precision
+pays off where the hardware has fast half arithmetic: tensor-core GPUs, CPUs with AVX512-BF16 or
+AMX. On AVX2-only CPUs torch's bf16 and fp16 matmuls fall back to slow reference kernels, and
+the amp runs are much slower than default precision; the defaults are small for that reason.
 """
 from __future__ import annotations
 
@@ -160,12 +162,12 @@ def parse_args(argv=None):
     p.add_argument("--full", action="store_true",
                    help="the recipe's sizes: batch 512, width 4096, 3 layers, 50 batches, "
                         "3 epochs (explicit size flags still win)")
-    p.add_argument("--batch-size", type=int, help="default 256 (recipe: 512)")
-    p.add_argument("--width", type=int, help="input = hidden = output size; default 2048 "
+    p.add_argument("--batch-size", type=int, help="default 64 (recipe: 512)")
+    p.add_argument("--width", type=int, help="input = hidden = output size; default 512 "
                                              "(recipe: 4096)")
     p.add_argument("--layers", type=int, help="Linear layers; default 3 (recipe: 3)")
-    p.add_argument("--batches", type=int, help="batches per epoch; default 10 (recipe: 50)")
-    p.add_argument("--epochs", type=int, help="default 4 (recipe: 3)")
+    p.add_argument("--batches", type=int, help="batches per epoch; default 8 (recipe: 50)")
+    p.add_argument("--epochs", type=int, help="default 3 (recipe: 3)")
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--opt-levels", default="O0,O1,O2,O3",
                    help="comma-separated opt levels to run after default precision")
@@ -174,7 +176,7 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, help="torch threads on CPU (default: torch's)")
     p.add_argument("--verbosity", type=int, default=0, help="amp.initialize verbosity")
     args = p.parse_args(argv)
-    small = dict(batch_size=256, width=2048, layers=3, batches=10, epochs=4)
+    small = dict(batch_size=64, width=512, layers=3, batches=8, epochs=3)
     for name, value in (FULL_SIZES if args.full else small).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
