@@ -463,12 +463,13 @@ def measure_workload(workload: str, variants: List[str], args) -> Dict[str, dict
     return results
 
 
-def matmul_check(device: torch.device, half_dtype: torch.dtype, threads: int) -> dict:
-    """Median times of one 128x512 @ 512x512 matmul in fp32 and in the half type: whether
+def matmul_check(device: torch.device, half_dtype: torch.dtype, threads: int,
+                 n: int = 512) -> dict:
+    """Median times of one (n/4 x n) @ (n x n) matmul in fp32 and in the half type: whether
     this device can make mixed precision faster at all."""
     if device.type == "cpu":
         torch.set_num_threads(threads)
-    a, b = torch.randn(128, 512, device=device), torch.randn(512, 512, device=device)
+    a, b = torch.randn(n // 4, n, device=device), torch.randn(n, n, device=device)
     result = {}
     for name, dtype in (("fp32", torch.float32), ("half", half_dtype)):
         x, y = a.to(dtype), b.to(dtype)
@@ -635,7 +636,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     parser, args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(relativeCreated)6d %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     workloads = [w for w in args.workloads.split(",") if w]
     variants = [v for v in args.variants.split(",") if v]
     for name, chosen, valid in (("workload", workloads, WORKLOADS),
@@ -647,8 +648,11 @@ def main(argv=None) -> int:
         parser.error("--device cuda given but torch.cuda.is_available() is False")
     LOG.info("preset %s on %s, half dtype %s, %d thread(s); variants %s",
              args.preset, args.device, args.half_dtype, args.threads, ", ".join(variants))
-    check = matmul_check(torch.device(args.device), HALF_DTYPES[args.half_dtype], args.threads)
-    check_line = (f"matmul 128x512x512 here: fp32 {check['fp32_ms']:.2f} ms, {args.half_dtype} "
+    n = 64 if args.preset == "smoke" else 512
+    check = matmul_check(torch.device(args.device), HALF_DTYPES[args.half_dtype], args.threads,
+                         n)
+    check_line = (f"matmul {n // 4}x{n}x{n} here: fp32 {check['fp32_ms']:.2f} ms, "
+                  f"{args.half_dtype} "
                   f"{check['half_ms']:.2f} ms ({check['half_over_fp32']:.1f}x fp32's time)")
     LOG.info("%s", check_line)
     all_results = {}
@@ -663,8 +667,9 @@ def main(argv=None) -> int:
     json_path.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "config": {"device": args.device, "preset": args.preset, "half_dtype": args.half_dtype,
-                   "threads": args.threads, "sizes": {w: workload_size(args.preset, w, mlp_overrides(args))
-                                                      for w in workloads},
+                   "threads": args.threads,
+                   "sizes": {w: workload_size(args.preset, w, mlp_overrides(args))
+                             for w in workloads},
                    "torch": torch.__version__, "python": platform.python_version(),
                    "machine": platform.machine(), "cpu_count": os.cpu_count()},
         "matmul_check": check,
