@@ -25,9 +25,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from apex_lite import multi_tensor  # noqa: E402
+from apex_lite import multi_tensor
 from apex_lite.multi_tensor import _backend  # noqa: E402
 
 

@@ -29,11 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:   # run from a checkout without installing apex_lite
-    sys.path.insert(0, str(REPO_ROOT))
-
-from apex_lite import amp  # noqa: E402
+from apex_lite import amp
 
 LOG = logging.getLogger("apex_lite.bench.step_overhead")
 HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}

@@ -48,9 +48,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 LOG = logging.getLogger("apex_lite.bench.train")
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:   # run from a checkout without installing apex_lite
-    sys.path.insert(0, str(REPO_ROOT))
 
 VARIANTS = ("fp32", "autocast", "O1", "O2", "O3")
 WORKLOADS = ("mlp", "cnn", "transformer")
@@ -662,7 +659,7 @@ def main(argv=None) -> int:
     lines = summarise(all_results, args.loss_rtol) + ["", check_line]
     print("\n".join(lines))
     suffix = "_smoke" if args.preset == "smoke" else ""
-    json_path = args.json or REPO_ROOT / "bench" / "results" / \
+    json_path = args.json or Path(__file__).resolve().parent / "results" / \
         f"train_{torch.device(args.device).type}{suffix}.json"
     json_path.parent.mkdir(parents=True, exist_ok=True)
     record = {

@@ -28,15 +28,10 @@ import math
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-try:
-    from apex_lite import amp
-except ImportError:   # run from a checkout without installing apex_lite
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from apex_lite import amp
+from apex_lite import amp
 
 LOG = logging.getLogger("apex_lite.examples.amp_recipe")
 FULL_SIZES = dict(batch_size=512, width=4096, layers=3, batches=50, epochs=3)

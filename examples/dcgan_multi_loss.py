@@ -19,16 +19,11 @@ import argparse
 import logging
 import math
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn as nn
 
-try:
-    from apex_lite import amp
-except ImportError:   # run from a checkout without installing apex_lite
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from apex_lite import amp
+from apex_lite import amp
 
 LOG = logging.getLogger("apex_lite.examples.dcgan_multi_loss")
 HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}

@@ -12,11 +12,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from amp_helpers import Net, batch, inject_inf  # noqa: E402
-from apex_lite import amp  # noqa: E402
+from amp_helpers import Net, batch, inject_inf  # beside this script: sys.path[0]
+from apex_lite import amp
 
 N, M = 5, 4
 OVERFLOW_STEPS = (2, 7)

@@ -27,10 +27,8 @@ def _setup(level="O2", **kwargs):
 @pytest.fixture(scope="module")
 def resume_runs(tmp_path_factory):
     outdir = tmp_path_factory.mktemp("resume")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [os.path.dirname(os.path.dirname(WORKER)), os.environ.get("PYTHONPATH", "")]))
     for mode in ("train", "resume"):
-        done = subprocess.run([sys.executable, WORKER, mode, str(outdir)] + SPECS, env=env,
+        done = subprocess.run([sys.executable, WORKER, mode, str(outdir)] + SPECS,
                               capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, f"{mode} worker failed:\n{done.stdout}\n{done.stderr}"
     return outdir

@@ -43,8 +43,6 @@ def runs(tmp_path_factory):
     """Start every script; `runs(name)` waits for one and returns (returncode, stdout, stderr)."""
     out_dir = tmp_path_factory.mktemp("example_runs")
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env["OMP_NUM_THREADS"] = "1"
     processes = {}
     for name, argv in SCRIPTS.items():

@@ -37,7 +37,14 @@ def _check_and_scale_(tensors: List[torch.Tensor], scale: float, found_inf: torc
 
 
 def scale_(tensors: Tensors, scale: float, found_inf: torch.Tensor) -> None:
-    _check_and_scale_(list(tensors), scale, found_inf)
+    # fp32 tensors are scaled where they stand; the others through an fp32 temporary (torch's
+    # CUDA kernel has no bf16 version), which rounds the product once, as the native kernels do.
+    _check_and_scale_([t for t in tensors if t.dtype == torch.float32], scale, found_inf)
+    staged = [t for t in tensors if t.dtype != torch.float32]
+    if staged:
+        tmp = _as_fp32(staged)
+        _check_and_scale_(tmp, scale, found_inf)
+        torch._foreach_copy_(staged, tmp)
 
 
 def scale_out(inputs: Tensors, outputs: Tensors, scale: float, found_inf: torch.Tensor) -> None:
