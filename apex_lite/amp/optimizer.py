@@ -49,6 +49,10 @@ class AmpOptimizer:
         self.pending_loss_id: Optional[int] = None
         self.pending_losses: List[torch.Tensor] = []   # the losses behind SCALED gradients
         self.checks: List[OverflowCheck] = []
+        # step() since the last backward: a second step() would apply the same gradients again.
+        self.stepped_since_backward = False
+        # Inside an amp.scale_loss for this optimizer (a nested one would mix two backwards).
+        self.in_scale_loss = False
         self._groups: Optional[Dict[torch.device, _DeviceGroup]] = None
         self._original_step = optimizer.step
         self._original_zero_grad = optimizer.zero_grad
@@ -88,6 +92,31 @@ class AmpOptimizer:
 
     def masters(self) -> List[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def check_devices(self, caller: str) -> None:
+        """Raise when the model was moved after ``initialize``: the first and last parameter of
+        each device group must still be where they were (a cheap check; ``model.to(device)``
+        moves them all, and a partial move is caught by ``find_moved`` when the kernels refuse)."""
+        for device, group in self.groups().items():
+            for tensors in (group.model_params, group.masters):
+                if tensors[0].device != device or tensors[-1].device != device:
+                    self.raise_moved(caller)
+
+    def raise_moved(self, caller: str) -> None:
+        """Raise the explanation when a parameter is no longer on the device it had at
+        ``initialize``; return when none moved."""
+        for device, group in self.groups().items():
+            for model_param, master in zip(group.model_params, group.masters):
+                for tensor, what in ((model_param, "model parameter"), (master, "master weight")):
+                    if tensor.device != device:
+                        raise RuntimeError(
+                            f"{caller}: {what} {self.run.param_name(model_param)!r} is on "
+                            f"{tensor.device} but was on {device} when amp.initialize ran: the "
+                            f"model was moved after amp.initialize. Move the model before "
+                            f"initializing (model.to(device); then model, optimizer = "
+                            f"amp.initialize(model, optimizer, ...)), or build a fresh model and "
+                            f"optimizer on the new device, load their state_dicts and call "
+                            f"amp.initialize again.")
 
     # ---- scale_loss's two halves ----------------------------------------------------------
     def check_can_accumulate(self, loss_id: int, loss_scale: float) -> None:
@@ -137,7 +166,24 @@ class AmpOptimizer:
             self.pending_scale = loss_scale
             self.pending_loss_id = loss_id
             self.pending_losses.append(loss.detach())
+            self.stepped_since_backward = False
             return
+        try:
+            self._unscale(stash, loss_scale, check)
+        except ValueError:
+            # The kernels refuse tensors off the flag's device: a model (partly) moved after
+            # initialize. Name it; anything else is re-raised as it was.
+            self.raise_moved("amp.scale_loss")
+            raise
+        self.grad_state = UNSCALED
+        self.pending_scale = None
+        self.pending_loss_id = None
+        self.pending_losses = []
+        self.checks.append(check)
+        self.stepped_since_backward = False
+
+    def _unscale(self, stash: Dict[int, torch.Tensor], loss_scale: float,
+                 check: OverflowCheck) -> None:
         inv_scale = 1.0 / loss_scale
         accumulate = self.grad_state == UNSCALED
         for device, group in self.groups().items():
@@ -186,11 +232,6 @@ class AmpOptimizer:
                 # Their values are in the master grads now; None lets the next backward write
                 # fresh half gradients instead of accumulating into these scaled ones.
                 model_param.grad = None
-        self.grad_state = UNSCALED
-        self.pending_scale = None
-        self.pending_loss_id = None
-        self.pending_losses = []
-        self.checks.append(check)
 
     # ---- the patched methods --------------------------------------------------------------
     def step(self, closure=None):
@@ -207,10 +248,18 @@ class AmpOptimizer:
                 "multiplied by the loss scale: the last amp.scale_loss for it had "
                 "delay_unscale=True. End the accumulation with a scale_loss(..., "
                 "delay_unscale=False) before step().")
+        if self.stepped_since_backward:
+            raise RuntimeError(
+                "optimizer.step() was called twice without a backward in between: the second "
+                "call would apply the same gradients (and momentum) again. Run the next "
+                "backward inside `with amp.scale_loss(loss, optimizer) as scaled: "
+                "scaled.backward()` before calling step() again, or remove the extra step().")
+        self.check_devices("optimizer.step()")
         skip = False
         for check in self.checks:
             skip = check.resolve() or skip
         self.checks = []
+        self.stepped_since_backward = True
         if skip:
             # Tell an LR scheduler this step counted (torch's own flag), so skipped first steps
             # do not make it warn that lr_scheduler.step() came before optimizer.step().
@@ -229,6 +278,11 @@ class AmpOptimizer:
                     multi_tensor.scale(group.half_masters, group.half_models, 1.0, scratch)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        # A decision deferred by delay_overflow_check is made now, not dropped with the
+        # gradients: the scale still backs off (or counts a clean step) and the counters see it.
+        # The step itself is not taken, as zero_grad before step() means in plain torch.
+        for check in self.checks:
+            check.resolve()
         self._original_zero_grad(set_to_none=set_to_none)
         for group in self.groups().values():
             for model_param in group.half_models:
