@@ -69,7 +69,7 @@ class SkipLog:
         elif calibrating and skipped_before and verbose:
             logger.info("loss scaler %d: first %d steps skipped while the loss scale "
                         "calibrated to %s", scaler.loss_id, skipped_before, scaler.loss_scale)
-        if not calibrating:
+        if not (calibrating and overflow):
             self.recent.append(overflow)
             self._warn_rate(verbose)
         self._warn_far_below(verbose)

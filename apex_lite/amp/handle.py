@@ -79,6 +79,34 @@ class _Run:
         self.model_of: Dict[torch.Tensor, torch.Tensor] = {}
         self.optimizers: List[AmpOptimizer] = []
 
+    def record_placement(self) -> None:
+        """Remember each model's first parameter and its device (after the casts, which keep
+        Parameter identity), for ``check_placement``."""
+        self.first_params = [(next(iter(m.parameters()), None)) for m in self.models]
+        self.first_devices = [None if p is None else p.device for p in self.first_params]
+
+    def check_placement(self, caller: str) -> None:
+        """Raise when a model was moved or its parameters replaced after ``initialize``. O(1) per
+        model: ``model.to(device)`` moves the parameters in place (same device kind family) or
+        replaces them (e.g. to "meta"); either shows on the first parameter."""
+        for i, (model, first, device) in enumerate(zip(self.models, self.first_params,
+                                                       self.first_devices)):
+            now = next(iter(model.parameters()), None)
+            if now is first and (now is None or now.device == device):
+                continue
+            label = f"model {i}" if len(self.models) > 1 else "the model"
+            what = (f"its parameters are now on {now.device}, but were on {device} when "
+                    f"amp.initialize ran" if now is first else
+                    f"its parameters are not the tensors amp.initialize set up (now on "
+                    f"{None if now is None else now.device}; .to() to another kind of device "
+                    f"or reassigning parameters replaces them)")
+            raise RuntimeError(
+                f"{caller}: {label} was moved after amp.initialize: {what}. The optimizer and "
+                f"amp's master weights still hold the old tensors. Move the model before "
+                f"initializing (model.to(device); then model, optimizer = amp.initialize(model, "
+                f"optimizer, ...)), or build a fresh model and optimizer on the new device, load "
+                f"their state_dicts and call amp.initialize again.")
+
     def param_name(self, tensor: torch.Tensor) -> str:
         """A parameter's (or its master's) name as ``named_parameters`` spells it, prefixed
         with "model <i>: " when there are several models. Built on first use (error paths)."""
@@ -281,6 +309,7 @@ class AmpHandle:
             self._prepare_model(run, index, model, keep_fp32_modules)
         for opt in opt_list:
             self._take_over_optimizer(run, opt)
+        run.record_placement()
         self._run = run
         if locate_nonfinite:
             run.locate_nonfinite()
@@ -380,6 +409,7 @@ class AmpHandle:
                     f"scale_loss, or accumulate with delay_unscale=True.")
             if amp_opt not in amp_opts:
                 amp_opts.append(amp_opt)
+        run.check_placement("amp.scale_loss")
         scaler = run.scalers[loss_id]
         loss_scale = scaler.loss_scale
         for amp_opt in amp_opts:

@@ -254,6 +254,7 @@ class AmpOptimizer:
                 "call would apply the same gradients (and momentum) again. Run the next "
                 "backward inside `with amp.scale_loss(loss, optimizer) as scaled: "
                 "scaled.backward()` before calling step() again, or remove the extra step().")
+        self.run.check_placement("optimizer.step()")
         self.check_devices("optimizer.step()")
         skip = False
         for check in self.checks:
