@@ -37,10 +37,12 @@ def load_checkpoint(path, **torch_load_kwargs):
     path = os.fspath(path)
     try:
         return torch.load(path, **torch_load_kwargs)
-    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError,
-            KeyError) as exc:
-        if "weights_only" in str(exc):
-            raise   # torch's own explanation of a refused global is already precise
+    except (FileNotFoundError, IsADirectoryError, PermissionError):
+        raise
+    except (RuntimeError, OSError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile,
+            ValueError, KeyError) as exc:
+        if "Unsupported global" in str(exc):
+            raise   # a whole file that names a class weights_only refuses: torch explains it
         size = os.path.getsize(path)
         raise CheckpointError(
             f"checkpoint {path!r} ({size} bytes) is truncated or corrupted and cannot be read "

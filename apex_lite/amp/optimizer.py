@@ -248,14 +248,14 @@ class AmpOptimizer:
                 "multiplied by the loss scale: the last amp.scale_loss for it had "
                 "delay_unscale=True. End the accumulation with a scale_loss(..., "
                 "delay_unscale=False) before step().")
+        self.run.check_placement("optimizer.step()")
+        self.check_devices("optimizer.step()")
         if self.stepped_since_backward:
             raise RuntimeError(
                 "optimizer.step() was called twice without a backward in between: the second "
                 "call would apply the same gradients (and momentum) again. Run the next "
                 "backward inside `with amp.scale_loss(loss, optimizer) as scaled: "
                 "scaled.backward()` before calling step() again, or remove the extra step().")
-        self.run.check_placement("optimizer.step()")
-        self.check_devices("optimizer.step()")
         skip = False
         for check in self.checks:
             skip = check.resolve() or skip
