@@ -33,6 +33,8 @@ def _setup(level="O2", opt_cls=torch.optim.Adam, **kwargs):
     (dict(max_loss_scale=2.0 ** 17, scale_window=1), "...", [2.0 ** 17] * 3),
     # floor
     (dict(min_loss_scale=16384.0), "oooo", [32768.0, 16384.0, 16384.0, 16384.0]),
+    # without min_loss_scale, the smallest fp32 scale whose inverse is finite
+    (dict(), "o" * 145, [2.0 ** (15 - i) for i in range(141)] + [2.0 ** -126] * 4),
     # hysteresis: two overflows per halving; growth resets it.
     (dict(hysteresis=2), "oooo", [65536.0, 32768.0, 32768.0, 16384.0]),
     (dict(hysteresis=2, scale_window=1), "o.o", [65536.0, 131072.0, 131072.0]),
