@@ -83,6 +83,29 @@ def test_deferred_and_immediate_checks_give_the_same_schedule():
     assert_bitwise_equal(schedules[0][3], schedules[1][3])
 
 
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_model_zero_grad_clears_o2_master_gradients_of_that_model_only(set_to_none):
+    a, b = Net(), Net()
+    opt = torch.optim.SGD(list(a.parameters()) + list(b.parameters()), lr=0.1)
+    [a, b], opt = amp.initialize([a, b], opt, opt_level="O2", verbosity=0)
+    x = batch(0)[0]
+    with amp.scale_loss(a(x).sum() + b(x).sum(), opt) as scaled:
+        scaled.backward()
+    masters_a = [p for p in amp.master_params(opt) if any(
+        p is amp.default_handle()._run.master_of.get(q) for q in a.parameters())]
+    masters_b = [p for p in amp.master_params(opt) if any(
+        p is amp.default_handle()._run.master_of.get(q) for q in b.parameters())]
+    a.zero_grad(set_to_none=set_to_none)
+    for m in masters_a:
+        assert m.grad is None if set_to_none else not m.grad.any()
+    assert all(m.grad is not None and m.grad.any() for m in masters_b)
+    b.zero_grad(set_to_none=set_to_none)
+    # Every gradient is gone: as after optimizer.zero_grad(); zeroed ones accumulate from zero.
+    assert opt._apex_lite_amp.grad_state == ("clean" if set_to_none else "unscaled")
+    assert all(m.grad is None if set_to_none else not m.grad.any()
+               for m in amp.master_params(opt))
+
+
 # ---- misuse of step / scale_loss ----------------------------------------------------------------
 
 @pytest.mark.parametrize("skipped", [False, True])

@@ -107,6 +107,12 @@ class _Run:
                 f"optimizer, ...)), or build a fresh model and optimizer on the new device, load "
                 f"their state_dicts and call amp.initialize again.")
 
+    def model_zeroed(self, model: torch.nn.Module, set_to_none: bool) -> None:
+        """``model.zero_grad()`` was called: clear what amp keeps for those parameters."""
+        ids = {id(p) for p in model.parameters()}
+        for amp_opt in self.optimizers:
+            amp_opt.model_zeroed(ids, set_to_none)
+
     def param_name(self, tensor: torch.Tensor) -> str:
         """A parameter's (or its master's) name as ``named_parameters`` spells it, prefixed
         with "model <i>: " when there are several models. Built on first use (error paths)."""
@@ -352,6 +358,7 @@ class AmpHandle:
                                  output_dtype=props.cast_model_outputs)
         elif props.cast_model_outputs is not None:
             casting.wrap_forward(model, output_dtype=props.cast_model_outputs)
+        model.zero_grad = _ModelZeroGrad(model, run)
         setattr(model, _MARK, props.opt_level)
 
     def _take_over_optimizer(self, run: _Run, opt: torch.optim.Optimizer) -> None:
@@ -584,6 +591,25 @@ class AmpHandle:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 yield p
+
+
+class _ModelZeroGrad:
+    """``model.zero_grad`` after initialize (apex programs such as its DCGAN example zero the
+    model, not the optimizer): also clears the O2 master gradients of those parameters and, when
+    they are all of an optimizer's, resets it as ``optimizer.zero_grad()`` would (a deferred skip
+    decision is made, not dropped). The run is not pickled with the model."""
+
+    def __init__(self, model: torch.nn.Module, run):
+        self.model = model
+        self.run = run
+
+    def __call__(self, set_to_none: bool = True) -> None:
+        type(self.model).zero_grad(self.model, set_to_none)
+        if self.run is not None:
+            self.run.model_zeroed(self.model, set_to_none)
+
+    def __getstate__(self):
+        return {"model": self.model, "run": None}
 
 
 class _MastersFollowModelLoads:

@@ -298,6 +298,30 @@ class AmpOptimizer:
         self.pending_losses = []
         self.checks = []
 
+    def model_zeroed(self, model_param_ids, set_to_none: bool) -> None:
+        """A model's ``zero_grad()`` cleared the gradients of ``model_param_ids``: clear the O2
+        master gradients they feed; when that covers every parameter of this optimizer it is
+        ``optimizer.zero_grad()``."""
+        covered = total = 0
+        for group in self.groups().values():
+            total += len(group.model_params)
+            covered += sum(id(p) in model_param_ids for p in group.model_params)
+        if not covered:
+            return
+        if covered == total:
+            self.zero_grad(set_to_none)
+            return
+        for group in self.groups().values():
+            for model_param, master in zip(group.half_models, group.half_masters):
+                if id(model_param) in model_param_ids and master.grad is not None:
+                    if set_to_none:
+                        master.grad = None
+                    else:
+                        master.grad.zero_()
+        if all(master.grad is None for group in self.groups().values()
+               for master in group.masters):
+            self.zero_grad(True)   # several models' zero_grad() together cleared them all
+
     def add_param_group(self, param_group: dict) -> None:
         group = dict(param_group)
         params = group["params"]
