@@ -325,8 +325,8 @@ def test_one_host_sync_and_one_fused_call_per_step(level, monkeypatch):
     from apex_lite.amp import optimizer as amp_optimizer
     model, opt = _setup(level, opt_cls=torch.optim.SGD)
     calls = []
-    real_scale = amp_optimizer.multi_tensor.scale
-    monkeypatch.setattr(amp_optimizer.multi_tensor, "scale",
+    real_scale = amp_optimizer.fused_scale
+    monkeypatch.setattr(amp_optimizer, "fused_scale",
                         lambda *a: calls.append(len(a[0])) or real_scale(*a))
     x, y = batch(0)
     opt.zero_grad()
