@@ -18,7 +18,7 @@ from . import casting, diagnostics
 from . import report as report_module
 from .opt_levels import OPT_LEVELS, Properties, resolve_properties
 from .optimizer import UNSCALED, AmpOptimizer
-from .overflow import OverflowCheck, is_logging_rank
+from .overflow import FlagPool, OverflowCheck, is_logging_rank
 from .scaler import DEFAULT_SCALE_WINDOW, LossScaler
 
 logger = logging.getLogger("apex_lite.amp")
@@ -69,6 +69,7 @@ class _Run:
                                               overflow_patience=overflow_patience)
                           for scaler in self.scalers]
         self.locators: List[diagnostics.NonfiniteLocator] = []
+        self.flag_pool = FlagPool()
         # Per model, the qualified names of the modules kept fp32 inside a half model.
         self.kept_fp32: List[List[str]] = [[] for _ in models]
         self._param_names: Optional[Dict[int, str]] = None
@@ -82,16 +83,25 @@ class _Run:
     def record_placement(self) -> None:
         """Remember each model's first parameter and its device (after the casts, which keep
         Parameter identity), for ``check_placement``."""
-        self.first_params = [(next(iter(m.parameters()), None)) for m in self.models]
+        self.first_params, self.first_slots = [], []
+        for model in self.models:
+            name, first = next(iter(model.named_parameters()), (None, None))
+            self.first_params.append(first)
+            # (module, key) of the first parameter: an O(1) look-up per step.
+            if name is None:
+                self.first_slots.append(None)
+            else:
+                owner, _, key = name.rpartition(".")
+                self.first_slots.append((model.get_submodule(owner), key))
         self.first_devices = [None if p is None else p.device for p in self.first_params]
 
     def check_placement(self, caller: str) -> None:
         """Raise when a model was moved or its parameters replaced after ``initialize``. O(1) per
         model: ``model.to(device)`` moves the parameters in place (same device kind family) or
         replaces them (e.g. to "meta"); either shows on the first parameter."""
-        for i, (model, first, device) in enumerate(zip(self.models, self.first_params,
-                                                       self.first_devices)):
-            now = next(iter(model.parameters()), None)
+        for i, (slot, first, device) in enumerate(zip(self.first_slots, self.first_params,
+                                                      self.first_devices)):
+            now = None if slot is None else slot[0]._parameters.get(slot[1])
             if now is first and (now is None or now.device == device):
                 continue
             label = f"model {i}" if len(self.models) > 1 else "the model"
@@ -441,7 +451,8 @@ class AmpHandle:
                          for c in amp_opt.checks]
             delayed = [l for amp_opt in amp_opts for l in amp_opt.pending_losses]
             check = OverflowCheck(scaler, loss, skip_log=run.skip_logs[loss_id], run=run,
-                                  optimizers=amp_opts, process_group=run.process_group,
+                                  optimizers=amp_opts, flag_pool=run.flag_pool,
+                                  process_group=run.process_group,
                                   inherited=inherited, delayed_losses=delayed)
         for amp_opt, stash in zip(amp_opts, stashes):
             amp_opt.after_backward(stash, loss, loss_scale, loss_id, delay_unscale, check)

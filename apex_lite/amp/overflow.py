@@ -11,7 +11,7 @@ it must skip their step.
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -27,11 +27,30 @@ def is_logging_rank() -> bool:
     return not distributed_active() or dist.get_rank() == 0
 
 
+class FlagPool:
+    """Reused ``found_inf`` flags: a resolved check gives its flags back, the next check zeroes
+    one instead of allocating (several checks can be pending at once, hence a pool)."""
+
+    def __init__(self):
+        self.free: Dict[torch.device, List[torch.Tensor]] = {}
+
+    def take(self, device: torch.device) -> torch.Tensor:
+        free = self.free.get(device)
+        if free:
+            return free.pop().zero_()
+        return torch.zeros(1, dtype=torch.float32, device=device)
+
+    def give_back(self, flags) -> None:
+        for flag in flags:
+            self.free.setdefault(flag.device, []).append(flag)
+
+
 class OverflowCheck:
     """The flags of one unscale, for one loss scaler."""
 
     def __init__(self, scaler: LossScaler, loss: torch.Tensor, *,
                  skip_log: diagnostics.SkipLog, run=None, optimizers: Sequence = (),
+                 flag_pool: Optional[FlagPool] = None,
                  process_group=None, inherited: Sequence["OverflowCheck"] = (),
                  delayed_losses: Sequence[torch.Tensor] = ()):
         self.scaler = scaler
@@ -48,6 +67,7 @@ class OverflowCheck:
         self.losses = [l.detach().reshape(1).to(torch.float32)
                        for l in list(delayed_losses) + [loss]]
         self.found_infs: Dict[torch.device, torch.Tensor] = {}
+        self.flag_pool = flag_pool if flag_pool is not None else FlagPool()
         self.process_group = process_group
         self.overflow: Optional[bool] = None
         self.loss_nonfinite: Optional[bool] = None
@@ -56,7 +76,7 @@ class OverflowCheck:
         """The zeroed flag the kernels working on ``device`` write to."""
         flag = self.found_infs.get(device)
         if flag is None:
-            flag = self.found_infs[device] = torch.zeros(1, dtype=torch.float32, device=device)
+            flag = self.found_infs[device] = self.flag_pool.take(device)
         return flag
 
     def resolve(self) -> bool:
@@ -84,6 +104,8 @@ class OverflowCheck:
                 [grads_bad] + [l.to(device) for l in self.losses]).tolist()
             self.loss_nonfinite = not all(math.isfinite(v) for v in loss_values)
         self.overflow = grads_flag != 0.0 or self.loss_nonfinite
+        self.flag_pool.give_back(self.found_infs.values())
+        self.found_infs = {}
         if self.overflow and not self.loss_nonfinite \
                 and any([check.resolve() for check in self.inherited]):
             return self.overflow    # skipped, and already charged to the earlier loss's scaler
