@@ -14,7 +14,10 @@ from __future__ import annotations
 from .casting import (disable_casts, float_function, half_function, promote_function,
                       register_float_function, register_half_function,
                       register_promote_function)
+from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from .diagnostics import DEFAULT_OVERFLOW_PATIENCE, NonfiniteLocator, OverflowStuckError
 from .handle import AmpHandle
+from .report import AmpReport
 from .opt_levels import OPT_LEVELS, OptLevel, Properties
 from .scaler import DEFAULT_SCALE_WINDOW, LossScaler
 
@@ -22,7 +25,9 @@ __all__ = [
     "initialize", "scale_loss", "state_dict", "load_state_dict", "master_params", "loss_scalers",
     "half_function", "float_function", "promote_function", "register_half_function",
     "register_float_function", "register_promote_function", "disable_casts", "AmpHandle",
-    "OPT_LEVELS", "OptLevel", "Properties", "LossScaler", "default_handle",
+    "OPT_LEVELS", "OptLevel", "Properties", "LossScaler", "default_handle", "locate_nonfinite",
+    "report", "AmpReport", "NonfiniteLocator", "OverflowStuckError", "save_checkpoint",
+    "load_checkpoint", "CheckpointError",
 ]
 
 _default_handle = AmpHandle()
@@ -38,7 +43,8 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                loss_scale=None, cast_model_outputs=None, num_losses=1, verbosity=1,
                min_loss_scale=None, max_loss_scale=2. ** 24, *, half_dtype=None,
                keep_fp32_modules=(), hysteresis=1, scale_window=DEFAULT_SCALE_WINDOW,
-               process_group=None):
+               process_group=None, overflow_patience=DEFAULT_OVERFLOW_PATIENCE,
+               locate_nonfinite=False):
     """Set models and optimizers up for mixed precision at ``opt_level`` ("O0".."O3"), as apex.
 
     Returns ``(model, optimizer)``, each a list only where a list was passed, or the model(s)
@@ -52,6 +58,23 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
       scale_window: clean steps before the dynamic scale doubles (apex: 2000).
       process_group: the group the overflow flag is all-reduced over when torch.distributed is
         initialised (default: the default group).
+      overflow_patience: after this many steps in a row skipped with the loss scale at its
+        floor (min_loss_scale; a static scale; or, without min_loss_scale, any consecutive
+        skips), raise ``OverflowStuckError``, which says whether the loss itself was inf/NaN and
+        names the parameters whose gradients were, and turns the locator on. None: never.
+      locate_nonfinite: turn on ``amp.locate_nonfinite`` for the models (one host sync per
+        module per forward: for debugging).
+
+    Logging (logger "apex_lite.amp", only rank 0 when distributed), by ``verbosity``:
+      0: silent.
+      1 (default): the skips of the start-of-training calibration (a dynamic scale halving from
+        2**16 until the first clean step) are folded into one INFO line, "loss scaler 0: first 7
+        steps skipped while the loss scale calibrated to 512.0"; after that each skip is an INFO
+        line with apex's text ("Gradient overflow.  Skipping step, loss scaler 0 reducing loss
+        scale to 32768.0"), and WARNINGs come only for an abnormal skip rate (more than 5 of the
+        last 100 steps), a scale 4096x or more below its start, a loss that is inf or NaN, or a
+        skip under a static loss scale.
+      2: apex's verbosity=1, every skip a WARNING with apex's line, calibration included.
     """
     return _default_handle.initialize(
         models, optimizers, enabled=enabled, opt_level=opt_level,
@@ -60,7 +83,8 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
         loss_scale=loss_scale, cast_model_outputs=cast_model_outputs, num_losses=num_losses,
         verbosity=verbosity, min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale,
         half_dtype=half_dtype, keep_fp32_modules=keep_fp32_modules, hysteresis=hysteresis,
-        scale_window=scale_window, process_group=process_group)
+        scale_window=scale_window, process_group=process_group,
+        overflow_patience=overflow_patience, locate_nonfinite=locate_nonfinite)
 
 
 def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
@@ -95,3 +119,19 @@ def loss_scalers():
 def master_params(optimizer):
     """The tensors ``optimizer`` updates: the fp32 master weights under O2, else the model's."""
     return _default_handle.master_params(optimizer)
+
+
+def locate_nonfinite(model=None):
+    """Log (WARNING) the first module whose forward output holds inf or NaN, in each forward of
+    ``model`` (returns its ``NonfiniteLocator``: ``.first_module`` is the latest finding,
+    ``.remove()`` turns it off), or of every model of the current run when ``model`` is None.
+    One host sync per module per forward: a debugging tool."""
+    return _default_handle.locate_nonfinite(model)
+
+
+def report(models=None, optimizers=None) -> AmpReport:
+    """What amp set up, per dtype the count and bytes of parameters, gradients and master
+    weights, the modules kept fp32, the kernel backend per device, and Linear/Conv dimensions
+    that are not multiples of 8. Defaults to the current run's models and optimizers; logs
+    nothing (``print(amp.report())``)."""
+    return _default_handle.report(models, optimizers)

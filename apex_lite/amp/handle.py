@@ -14,10 +14,11 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from . import casting
+from . import casting, diagnostics
+from . import report as report_module
 from .opt_levels import OPT_LEVELS, Properties, resolve_properties
 from .optimizer import UNSCALED, AmpOptimizer
-from .overflow import OverflowCheck, is_logging_rank
+from .overflow import FlagPool, OverflowCheck, is_logging_rank
 from .scaler import DEFAULT_SCALE_WINDOW, LossScaler
 
 logger = logging.getLogger("apex_lite.amp")
@@ -56,7 +57,7 @@ class _Run:
 
     def __init__(self, properties: Properties, models: List[torch.nn.Module], *, num_losses: int,
                  verbosity: int, min_loss_scale, max_loss_scale: float, hysteresis: int,
-                 scale_window: int, process_group):
+                 scale_window: int, process_group, overflow_patience: Optional[int]):
         self.properties = properties
         self.models = models
         self.verbosity = verbosity
@@ -64,12 +65,83 @@ class _Run:
         self.scalers = [LossScaler(i, properties.loss_scale, min_loss_scale=min_loss_scale,
                                    max_loss_scale=max_loss_scale, scale_window=scale_window,
                                    hysteresis=hysteresis) for i in range(num_losses)]
+        self.skip_logs = [diagnostics.SkipLog(scaler, verbosity=verbosity,
+                                              overflow_patience=overflow_patience)
+                          for scaler in self.scalers]
+        self.locators: List[diagnostics.NonfiniteLocator] = []
+        self.flag_pool = FlagPool()
+        # Per model, the qualified names of the modules kept fp32 inside a half model.
+        self.kept_fp32: List[List[str]] = [[] for _ in models]
+        self._param_names: Optional[Dict[int, str]] = None
         self.param_ids = {id(p) for m in models for p in m.parameters()}
         # O2: per model, (qualified name, half model param, fp32 master) in named_parameters order.
         self.master_pairs: List[List[tuple]] = [[] for _ in models]
         self.master_of: Dict[torch.Tensor, torch.Tensor] = {}
         self.model_of: Dict[torch.Tensor, torch.Tensor] = {}
         self.optimizers: List[AmpOptimizer] = []
+
+    def record_placement(self) -> None:
+        """Remember each model's first parameter and its device (after the casts, which keep
+        Parameter identity), for ``check_placement``."""
+        self.first_params, self.first_slots = [], []
+        for model in self.models:
+            name, first = next(iter(model.named_parameters()), (None, None))
+            self.first_params.append(first)
+            # (module, key) of the first parameter: an O(1) look-up per step.
+            if name is None:
+                self.first_slots.append(None)
+            else:
+                owner, _, key = name.rpartition(".")
+                self.first_slots.append((model.get_submodule(owner), key))
+        self.first_devices = [None if p is None else p.device for p in self.first_params]
+
+    def check_placement(self, caller: str) -> None:
+        """Raise when a model was moved or its parameters replaced after ``initialize``. O(1) per
+        model: ``model.to(device)`` moves the parameters in place (same device kind family) or
+        replaces them (e.g. to "meta"); either shows on the first parameter."""
+        for i, (slot, first, device) in enumerate(zip(self.first_slots, self.first_params,
+                                                      self.first_devices)):
+            now = None if slot is None else slot[0]._parameters.get(slot[1])
+            if now is first and (now is None or now.device == device):
+                continue
+            label = f"model {i}" if len(self.models) > 1 else "the model"
+            what = (f"its parameters are now on {now.device}, but were on {device} when "
+                    f"amp.initialize ran" if now is first else
+                    f"its parameters are not the tensors amp.initialize set up (now on "
+                    f"{None if now is None else now.device}; .to() to another kind of device "
+                    f"or reassigning parameters replaces them)")
+            raise RuntimeError(
+                f"{caller}: {label} was moved after amp.initialize: {what}. The optimizer and "
+                f"amp's master weights still hold the old tensors. Move the model before "
+                f"initializing (model.to(device); then model, optimizer = amp.initialize(model, "
+                f"optimizer, ...)), or build a fresh model and optimizer on the new device, load "
+                f"their state_dicts and call amp.initialize again.")
+
+    def model_zeroed(self, model: torch.nn.Module, set_to_none: bool) -> None:
+        """``model.zero_grad()`` was called: clear what amp keeps for those parameters."""
+        ids = {id(p) for p in model.parameters()}
+        for amp_opt in self.optimizers:
+            amp_opt.model_zeroed(ids, set_to_none)
+
+    def param_name(self, tensor: torch.Tensor) -> str:
+        """A parameter's (or its master's) name as ``named_parameters`` spells it, prefixed
+        with "model <i>: " when there are several models. Built on first use (error paths)."""
+        if self._param_names is None:
+            names: Dict[int, str] = {}
+            for i, model in enumerate(self.models):
+                prefix = f"model {i}: " if len(self.models) > 1 else ""
+                for name, p in model.named_parameters():
+                    names.setdefault(id(p), prefix + name)
+            for master, model_param in self.model_of.items():
+                names[id(master)] = names.get(id(model_param), "?")
+            self._param_names = names
+        return self._param_names.get(id(tensor), f"<unnamed {_describe(tensor)}>")
+
+    def locate_nonfinite(self) -> List["diagnostics.NonfiniteLocator"]:
+        """Turn the locator on for every model of this run (once)."""
+        if not self.locators:
+            self.locators = diagnostics.locate_nonfinite(self.models)
+        return self.locators
 
     def foreign_param(self, params) -> Optional[torch.Tensor]:
         """The first of ``params`` that is neither a model parameter nor a master, if any."""
@@ -89,6 +161,30 @@ class _Run:
         return [self.master_of.get(p, p) for p in params]
 
 
+def _refuse_what_is_not_an_amp_state(state_dict: dict) -> None:
+    """Name the usual mix-ups (a whole checkpoint, a model's or optimizer's state_dict, an empty
+    dict) before the key-by-key checks."""
+    keys = [str(k) for k in state_dict]
+    if not keys:
+        raise ValueError("the amp state is an empty dict: amp.state_dict() returns {} before "
+                         "amp.initialize or when amp was disabled, so the run that saved it had "
+                         "no loss scalers. Save amp.state_dict() after amp.initialize.")
+    if STATE_KEY in state_dict or any(k.startswith("loss_scaler") for k in keys):
+        return
+    if "amp" in state_dict:
+        hint = "it looks like the whole checkpoint: pass checkpoint['amp']"
+    elif {"state", "param_groups"} <= set(keys):
+        hint = "it looks like an optimizer's state_dict"
+    elif all(isinstance(v, torch.Tensor) for v in state_dict.values()):
+        hint = "it looks like a model's state_dict"
+    else:
+        hint = "it holds none of the keys amp.state_dict() writes"
+    shown = keys[:5] + (["..."] if len(keys) > 5 else [])
+    raise ValueError(f"this is not an amp state ({hint}; keys {shown}). amp.load_state_dict "
+                     f"takes what amp.state_dict() returned (keys 'loss_scaler0', ...), e.g. "
+                     f"amp.load_state_dict(checkpoint['amp']).")
+
+
 def _check_model(model: torch.nn.Module, index: int) -> None:
     for wrapper in (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel):
         if isinstance(model, wrapper):
@@ -102,6 +198,15 @@ def _check_model(model: torch.nn.Module, index: int) -> None:
             f"model {index} ({type(model).__name__}) was already passed to amp.initialize; it is "
             f"cast and its forward wrapped. To re-initialise, build a fresh model (load its fp32 "
             f"state_dict into it) and pass that.")
+    devices = OrderedDict()
+    for name, p in model.named_parameters():
+        devices.setdefault(p.device, name)
+    if len(devices) > 1:
+        where = ", ".join(f"{name!r} on {device}" for device, name in devices.items())
+        raise ValueError(
+            f"model {index} has parameters on {len(devices)} devices ({where}); amp.initialize "
+            f"needs each model on one device. Move it first with model.to(device); for one "
+            f"process per GPU wrap the initialized model in DistributedDataParallel.")
     for name, p in model.named_parameters():
         if p.is_floating_point() and p.dtype != torch.float32:
             raise ValueError(
@@ -115,13 +220,15 @@ def _check_model(model: torch.nn.Module, index: int) -> None:
 
 
 def _check_scale_args(num_losses, verbosity, min_loss_scale, max_loss_scale, hysteresis,
-                      scale_window) -> None:
+                      scale_window, overflow_patience) -> None:
     def positive_int(name, value):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     positive_int("num_losses", num_losses)
     positive_int("hysteresis", hysteresis)
     positive_int("scale_window", scale_window)
+    if overflow_patience is not None:
+        positive_int("overflow_patience", overflow_patience)
     if isinstance(verbosity, bool) or not isinstance(verbosity, int) or verbosity < 0:
         raise ValueError(f"verbosity must be an int >= 0 (0 silences amp's log), got "
                          f"{verbosity!r}")
@@ -148,7 +255,9 @@ class AmpHandle:
                    master_weights=None, loss_scale=None, cast_model_outputs=None, num_losses=1,
                    verbosity=1, min_loss_scale=None, max_loss_scale=2. ** 24, *,
                    half_dtype=None, keep_fp32_modules=(), hysteresis=1,
-                   scale_window=DEFAULT_SCALE_WINDOW, process_group=None):
+                   scale_window=DEFAULT_SCALE_WINDOW, process_group=None,
+                   overflow_patience=diagnostics.DEFAULT_OVERFLOW_PATIENCE,
+                   locate_nonfinite=False):
         """apex's ``amp.initialize``; see ``apex_lite.amp.initialize`` for the extensions."""
         model_list, models_was_list = _as_list(models, torch.nn.Module, "models")
         if optimizers is None:
@@ -181,7 +290,7 @@ class AmpHandle:
             keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights,
             loss_scale=loss_scale, cast_model_outputs=cast_model_outputs)
         _check_scale_args(num_losses, verbosity, min_loss_scale, max_loss_scale, hysteresis,
-                          scale_window)
+                          scale_window, overflow_patience)
         if isinstance(keep_fp32_modules, (str, type)):
             keep_fp32_modules = (keep_fp32_modules,)
         keep_fp32_modules = tuple(keep_fp32_modules)
@@ -200,7 +309,8 @@ class AmpHandle:
                     f"optimizer over the new model's parameters and pass both.")
         run = _Run(properties, model_list, num_losses=num_losses, verbosity=verbosity,
                    min_loss_scale=min_loss_scale, max_loss_scale=float(max_loss_scale),
-                   hysteresis=hysteresis, scale_window=scale_window, process_group=process_group)
+                   hysteresis=hysteresis, scale_window=scale_window, process_group=process_group,
+                   overflow_patience=overflow_patience)
         for i, opt in enumerate(opt_list):
             foreign = run.foreign_param([p for g in opt.param_groups for p in g["params"]])
             if foreign is not None:
@@ -215,7 +325,10 @@ class AmpHandle:
             self._prepare_model(run, index, model, keep_fp32_modules)
         for opt in opt_list:
             self._take_over_optimizer(run, opt)
+        run.record_placement()
         self._run = run
+        if locate_nonfinite:
+            run.locate_nonfinite()
         if verbosity >= 1 and is_logging_rank():
             logger.info("Selected optimization level %s: %s", opt_level,
                         OPT_LEVELS[opt_level].brief)
@@ -230,6 +343,7 @@ class AmpHandle:
         if cast_type in (torch.float16, torch.bfloat16):
             keep_bn = bool(props.keep_batchnorm_fp32)
             kept = casting.modules_kept_fp32(model, keep_bn, keep_fp32_modules)
+            run.kept_fp32[index] = [name for name, _ in kept]
             kept_params = {id(p) for _, m in kept for p in m.parameters()}
             if props.master_weights:
                 # Masters from the original fp32 values, before the cast rounds them.
@@ -254,6 +368,7 @@ class AmpHandle:
                                  output_dtype=props.cast_model_outputs)
         elif props.cast_model_outputs is not None:
             casting.wrap_forward(model, output_dtype=props.cast_model_outputs)
+        model.zero_grad = _ModelZeroGrad(model, run)
         setattr(model, _MARK, props.opt_level)
 
     def _take_over_optimizer(self, run: _Run, opt: torch.optim.Optimizer) -> None:
@@ -302,28 +417,43 @@ class AmpHandle:
             if amp_opt.run is not run:
                 raise RuntimeError(f"optimizer {i} given to amp.scale_loss belongs to an earlier "
                                    f"amp.initialize call; use the optimizers of the latest call")
+            if amp_opt.in_scale_loss:
+                raise RuntimeError(
+                    f"amp.scale_loss was entered for optimizer {i} inside another "
+                    f"amp.scale_loss for the same optimizer that has not exited yet. Nested "
+                    f"scale_loss blocks would mix two backwards under one unscale: finish the "
+                    f"first block (its backward) before the next, add the losses and use one "
+                    f"scale_loss, or accumulate with delay_unscale=True.")
             if amp_opt not in amp_opts:
                 amp_opts.append(amp_opt)
+        run.check_placement("amp.scale_loss")
         scaler = run.scalers[loss_id]
         loss_scale = scaler.loss_scale
         for amp_opt in amp_opts:
             amp_opt.check_can_accumulate(loss_id, loss_scale)
+            amp_opt.check_devices("amp.scale_loss")
 
         stashes = [amp_opt.before_backward() for amp_opt in amp_opts]
+        for amp_opt in amp_opts:
+            amp_opt.in_scale_loss = True
         try:
             yield loss.float() * loss_scale
         except BaseException:
             for amp_opt, stash in zip(amp_opts, stashes):
                 amp_opt.restore_stash(stash)
             raise
+        finally:
+            for amp_opt in amp_opts:
+                amp_opt.in_scale_loss = False
         check = None
         if not delay_unscale:
             inherited = [c for amp_opt in amp_opts if amp_opt.grad_state == UNSCALED
                          for c in amp_opt.checks]
             delayed = [l for amp_opt in amp_opts for l in amp_opt.pending_losses]
-            check = OverflowCheck(scaler, loss, verbosity=run.verbosity,
-                                  process_group=run.process_group, inherited=inherited,
-                                  delayed_losses=delayed)
+            check = OverflowCheck(scaler, loss, skip_log=run.skip_logs[loss_id], run=run,
+                                  optimizers=amp_opts, flag_pool=run.flag_pool,
+                                  process_group=run.process_group,
+                                  inherited=inherited, delayed_losses=delayed)
         for amp_opt, stash in zip(amp_opts, stashes):
             amp_opt.after_backward(stash, loss, loss_scale, loss_id, delay_unscale, check)
         if check is not None and not delay_overflow_check:
@@ -361,6 +491,7 @@ class AmpHandle:
                             f"{type(state_dict).__name__}")
         if not run.enabled:
             return
+        _refuse_what_is_not_an_amp_state(state_dict)
         n = len(run.scalers)
         expected = {f"loss_scaler{i}" for i in range(n)}
         scaler_keys = {k for k in state_dict if k != STATE_KEY}
@@ -394,6 +525,10 @@ class AmpHandle:
 
     @staticmethod
     def _check_extra(run: _Run, extra) -> None:
+        if not isinstance(extra, dict):
+            raise ValueError(f"the amp state's {STATE_KEY!r} entry is a "
+                             f"{type(extra).__name__}, not the dict amp.state_dict() writes; the "
+                             f"checkpoint is damaged or not an amp state")
         if not isinstance(extra, dict) or extra.get("version") != STATE_VERSION:
             version = extra.get("version") if isinstance(extra, dict) else None
             raise ValueError(f"the amp state's {STATE_KEY!r} entry has version {version!r}; this "
@@ -435,11 +570,57 @@ class AmpHandle:
         run = self._run
         return list(run.scalers) if run is not None and run.enabled else []
 
+    def locate_nonfinite(self, model: Optional[torch.nn.Module] = None):
+        """Turn on the locator that logs the first module whose forward output holds inf or NaN:
+        on ``model`` (any module; returns its ``NonfiniteLocator``), or on every model of the
+        current run (returns the list). ``.remove()`` turns a locator off."""
+        if model is not None:
+            if not isinstance(model, torch.nn.Module):
+                raise TypeError(f"amp.locate_nonfinite takes an nn.Module, got "
+                                f"{type(model).__name__}")
+            return diagnostics.NonfiniteLocator(model)
+        run = self._run
+        if run is None or not run.enabled:
+            raise RuntimeError("amp.locate_nonfinite() without a model needs an enabled "
+                               "amp.initialize first; or pass the model: "
+                               "amp.locate_nonfinite(model)")
+        return run.locate_nonfinite()
+
+    def report(self, models=None, optimizers=None) -> "report_module.AmpReport":
+        """What amp set up, as an ``AmpReport`` (``str()`` it to read)."""
+        run = self._run
+        if run is None or not run.enabled:
+            raise RuntimeError("amp.report needs an enabled amp.initialize first")
+        model_list = run.models if models is None else \
+            _as_list(models, torch.nn.Module, "models")[0]
+        opt_list = [o.optimizer for o in run.optimizers] if optimizers is None else \
+            _as_list(optimizers, torch.optim.Optimizer, "optimizers")[0]
+        return report_module.build_report(run, model_list, opt_list)
+
     def master_params(self, optimizer: torch.optim.Optimizer):
         """The tensors ``optimizer`` updates (the fp32 masters under O2), as apex: a generator."""
         for group in optimizer.param_groups:
             for p in group["params"]:
                 yield p
+
+
+class _ModelZeroGrad:
+    """``model.zero_grad`` after initialize (apex programs such as its DCGAN example zero the
+    model, not the optimizer): also clears the O2 master gradients of those parameters and, when
+    they are all of an optimizer's, resets it as ``optimizer.zero_grad()`` would (a deferred skip
+    decision is made, not dropped). The run is not pickled with the model."""
+
+    def __init__(self, model: torch.nn.Module, run):
+        self.model = model
+        self.run = run
+
+    def __call__(self, set_to_none: bool = True) -> None:
+        type(self.model).zero_grad(self.model, set_to_none)
+        if self.run is not None:
+            self.run.model_zeroed(self.model, set_to_none)
+
+    def __getstate__(self):
+        return {"model": self.model, "run": None}
 
 
 class _MastersFollowModelLoads:

@@ -18,21 +18,64 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .. import multi_tensor
+from ..multi_tensor._backend import ops_for
 from .overflow import OverflowCheck
 
 CLEAN, SCALED, UNSCALED = "clean", "scaled", "unscaled"
+
+
+# The fused calls of the step. They skip ``multi_tensor``'s argument checks (Python loops over
+# every tensor, every step): amp builds these lists itself, on one device, in fp32/fp16/bf16, with
+# outputs that are either the inputs or distinct tensors of the same shapes.
+def fused_scale(inputs: List[torch.Tensor], outputs: List[torch.Tensor], scale: float,
+                found_inf: torch.Tensor) -> None:
+    """``multi_tensor.scale`` for lists amp built."""
+    ops = ops_for(found_inf.device)
+    if outputs is inputs:
+        ops.scale_(inputs, float(scale), found_inf)
+    else:
+        ops.scale_out(inputs, outputs, float(scale), found_inf)
+
+
+def fused_accumulate(new: List[torch.Tensor], into: List[torch.Tensor], scale: float,
+                     found_inf: torch.Tensor) -> None:
+    """``into += scale * new`` (``multi_tensor.axpby`` in place) for lists amp built."""
+    ops_for(found_inf.device).axpby_(new, into, float(scale), 1.0, found_inf)
 
 
 class _DeviceGroup:
     """The parameters of one optimizer on one device: ``model_params[i]`` receives the backward,
     ``masters[i]`` is what the optimizer updates (the same tensor unless O2 cast it to half)."""
 
-    def __init__(self):
+    def __init__(self, device: torch.device):
+        self.device = device
         self.model_params: List[torch.Tensor] = []
         self.masters: List[torch.Tensor] = []
+        self.own_masters: List[torch.Tensor] = []   # masters that are their model parameter
         self.half_models: List[torch.Tensor] = []   # the O2 pairs, for the copy after step()
         self.half_masters: List[torch.Tensor] = []
+        self._master_grad_buffers: Optional[List[torch.Tensor]] = None
+        self._scratch_flag: Optional[torch.Tensor] = None
+
+    def master_grad_buffers(self) -> List[torch.Tensor]:
+        """Views of one fp32 buffer, one per O2 master: what a master's ``.grad`` is set to when
+        ``zero_grad`` left it None, so the unscale does not allocate 2 x params tensors a step.
+        (The memory is the same: the master gradients exist during every step anyway.)"""
+        if self._master_grad_buffers is None:
+            flat = torch.empty(sum(m.numel() for m in self.half_masters), dtype=torch.float32,
+                               device=self.device)
+            views, offset = [], 0
+            for master in self.half_masters:
+                views.append(flat[offset:offset + master.numel()].view_as(master))
+                offset += master.numel()
+            self._master_grad_buffers = views
+        return self._master_grad_buffers
+
+    def scratch_flag(self) -> torch.Tensor:
+        """A flag for the master-to-model copy, whose inputs are finite by construction."""
+        if self._scratch_flag is None:
+            self._scratch_flag = torch.zeros(1, dtype=torch.float32, device=self.device)
+        return self._scratch_flag
 
 
 class AmpOptimizer:
@@ -49,6 +92,10 @@ class AmpOptimizer:
         self.pending_loss_id: Optional[int] = None
         self.pending_losses: List[torch.Tensor] = []   # the losses behind SCALED gradients
         self.checks: List[OverflowCheck] = []
+        # step() since the last backward: a second step() would apply the same gradients again.
+        self.stepped_since_backward = False
+        # Inside an amp.scale_loss for this optimizer (a nested one would mix two backwards).
+        self.in_scale_loss = False
         self._groups: Optional[Dict[torch.device, _DeviceGroup]] = None
         self._original_step = optimizer.step
         self._original_zero_grad = optimizer.zero_grad
@@ -77,10 +124,14 @@ class AmpOptimizer:
                         continue
                     seen.add(id(master))
                     model_param = self.model_of.get(master, master)
-                    g = groups.setdefault(master.device, _DeviceGroup())
+                    g = groups.get(master.device)
+                    if g is None:
+                        g = groups[master.device] = _DeviceGroup(master.device)
                     g.model_params.append(model_param)
                     g.masters.append(master)
-                    if model_param is not master:
+                    if model_param is master:
+                        g.own_masters.append(master)
+                    else:
                         g.half_models.append(model_param)
                         g.half_masters.append(master)
             self._groups = groups
@@ -88,6 +139,31 @@ class AmpOptimizer:
 
     def masters(self) -> List[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def check_devices(self, caller: str) -> None:
+        """Raise when the model was moved after ``initialize``: the first and last parameter of
+        each device group must still be where they were (a cheap check; ``model.to(device)``
+        moves them all, and a partial move is caught by ``find_moved`` when the kernels refuse)."""
+        for device, group in self.groups().items():
+            for tensors in (group.model_params, group.masters):
+                if tensors[0].device != device or tensors[-1].device != device:
+                    self.raise_moved(caller)
+
+    def raise_moved(self, caller: str) -> None:
+        """Raise the explanation when a parameter is no longer on the device it had at
+        ``initialize``; return when none moved."""
+        for device, group in self.groups().items():
+            for model_param, master in zip(group.model_params, group.masters):
+                for tensor, what in ((model_param, "model parameter"), (master, "master weight")):
+                    if tensor.device != device:
+                        raise RuntimeError(
+                            f"{caller}: {what} {self.run.param_name(model_param)!r} is on "
+                            f"{tensor.device} but was on {device} when amp.initialize ran: the "
+                            f"model was moved after amp.initialize. Move the model before "
+                            f"initializing (model.to(device); then model, optimizer = "
+                            f"amp.initialize(model, optimizer, ...)), or build a fresh model and "
+                            f"optimizer on the new device, load their state_dicts and call "
+                            f"amp.initialize again.")
 
     # ---- scale_loss's two halves ----------------------------------------------------------
     def check_can_accumulate(self, loss_id: int, loss_scale: float) -> None:
@@ -137,16 +213,29 @@ class AmpOptimizer:
             self.pending_scale = loss_scale
             self.pending_loss_id = loss_id
             self.pending_losses.append(loss.detach())
+            self.stepped_since_backward = False
             return
+        try:
+            self._unscale(stash, loss_scale, check)
+        except (ValueError, RuntimeError):
+            # The kernels refuse tensors off the flag's device: a model (partly) moved after
+            # initialize. Name it; anything else is re-raised as it was.
+            self.raise_moved("amp.scale_loss")
+            raise
+        self.grad_state = UNSCALED
+        self.pending_scale = None
+        self.pending_loss_id = None
+        self.pending_losses = []
+        self.checks.append(check)
+        self.stepped_since_backward = False
+
+    def _unscale(self, stash: Dict[int, torch.Tensor], loss_scale: float,
+                 check: OverflowCheck) -> None:
         inv_scale = 1.0 / loss_scale
         accumulate = self.grad_state == UNSCALED
         for device, group in self.groups().items():
             found_inf = check.found_inf(device)
-            if not accumulate and not stash and not group.half_models:
-                # The common O0/O1/O3 step: every gradient is unscaled where it stands.
-                grads = [g for g in [p.grad for p in group.masters] if g is not None]
-                if grads:
-                    multi_tensor.scale(grads, grads, inv_scale, found_inf)
+            if not accumulate and self._unscale_fresh(group, inv_scale, found_inf):
                 continue
             fresh_in: List[torch.Tensor] = []
             fresh_out: List[torch.Tensor] = []
@@ -177,20 +266,42 @@ class AmpOptimizer:
                         fresh_in.append(grad)
                         fresh_out.append(master.grad)
             if fresh_in:
-                multi_tensor.scale(fresh_in, fresh_out, inv_scale, found_inf)
+                fused_scale(fresh_in, fresh_out, inv_scale, found_inf)
             if acc_new:
-                multi_tensor.axpby(acc_new, acc_into, acc_into, inv_scale, 1.0, found_inf)
+                fused_accumulate(acc_new, acc_into, inv_scale, found_inf)
             for master, grad in restore:
                 master.grad = grad
             for model_param in group.half_models:
                 # Their values are in the master grads now; None lets the next backward write
                 # fresh half gradients instead of accumulating into these scaled ones.
                 model_param.grad = None
-        self.grad_state = UNSCALED
-        self.pending_scale = None
-        self.pending_loss_id = None
-        self.pending_losses = []
-        self.checks.append(check)
+
+    @staticmethod
+    def _unscale_fresh(group: _DeviceGroup, inv_scale: float, found_inf: torch.Tensor) -> bool:
+        """The common step (no gradients to add to): O0/O1/O3 gradients unscaled where they
+        stand, O2 half gradients into the masters' fp32 gradients; one fused call each. False
+        when some O2 parameter got no gradient (the general path handles it)."""
+        half_grads = [p.grad for p in group.half_models]
+        if any(g is None for g in half_grads):
+            return False
+        grads = [g for g in [p.grad for p in group.own_masters] if g is not None]
+        if not half_grads:
+            if grads:
+                fused_scale(grads, grads, inv_scale, found_inf)
+            return True
+        # One call: the fp32 gradients in place (same tensor in and out), the half ones into
+        # the masters' gradients.
+        outs = list(grads)
+        for master, buffer in zip(group.half_masters, group.master_grad_buffers()):
+            if master.grad is None:
+                master.grad = buffer
+            outs.append(master.grad)
+        fused_scale(grads + half_grads, outs, inv_scale, found_inf)
+        for model_param in group.half_models:
+            # Their values are in the master grads now; None lets the next backward write
+            # fresh half gradients instead of accumulating into these scaled ones.
+            model_param.grad = None
+        return True
 
     # ---- the patched methods --------------------------------------------------------------
     def step(self, closure=None):
@@ -207,10 +318,19 @@ class AmpOptimizer:
                 "multiplied by the loss scale: the last amp.scale_loss for it had "
                 "delay_unscale=True. End the accumulation with a scale_loss(..., "
                 "delay_unscale=False) before step().")
+        self.run.check_placement("optimizer.step()")
+        self.check_devices("optimizer.step()")
+        if self.stepped_since_backward:
+            raise RuntimeError(
+                "optimizer.step() was called twice without a backward in between: the second "
+                "call would apply the same gradients (and momentum) again. Run the next "
+                "backward inside `with amp.scale_loss(loss, optimizer) as scaled: "
+                "scaled.backward()` before calling step() again, or remove the extra step().")
         skip = False
         for check in self.checks:
             skip = check.resolve() or skip
         self.checks = []
+        self.stepped_since_backward = True
         if skip:
             # Tell an LR scheduler this step counted (torch's own flag), so skipped first steps
             # do not make it warn that lr_scheduler.step() came before optimizer.step().
@@ -223,12 +343,16 @@ class AmpOptimizer:
     def copy_masters_to_model(self) -> None:
         """O2: round the updated fp32 masters into the half model, one fused call per device."""
         with torch.no_grad():
-            for device, group in self.groups().items():
+            for group in self.groups().values():
                 if group.half_masters:
-                    scratch = torch.zeros(1, dtype=torch.float32, device=device)
-                    multi_tensor.scale(group.half_masters, group.half_models, 1.0, scratch)
+                    fused_scale(group.half_masters, group.half_models, 1.0, group.scratch_flag())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        # A decision deferred by delay_overflow_check is made now, not dropped with the
+        # gradients: the scale still backs off (or counts a clean step) and the counters see it.
+        # The step itself is not taken, as zero_grad before step() means in plain torch.
+        for check in self.checks:
+            check.resolve()
         self._original_zero_grad(set_to_none=set_to_none)
         for group in self.groups().values():
             for model_param in group.half_models:
@@ -242,6 +366,30 @@ class AmpOptimizer:
         self.pending_loss_id = None
         self.pending_losses = []
         self.checks = []
+
+    def model_zeroed(self, model_param_ids, set_to_none: bool) -> None:
+        """A model's ``zero_grad()`` cleared the gradients of ``model_param_ids``: clear the O2
+        master gradients they feed; when that covers every parameter of this optimizer it is
+        ``optimizer.zero_grad()``."""
+        covered = total = 0
+        for group in self.groups().values():
+            total += len(group.model_params)
+            covered += sum(id(p) in model_param_ids for p in group.model_params)
+        if not covered:
+            return
+        if covered == total:
+            self.zero_grad(set_to_none)
+            return
+        for group in self.groups().values():
+            for model_param, master in zip(group.half_models, group.half_masters):
+                if id(model_param) in model_param_ids and master.grad is not None:
+                    if set_to_none:
+                        master.grad = None
+                    else:
+                        master.grad.zero_()
+        if all(master.grad is None for group in self.groups().values()
+               for master in group.masters):
+            self.zero_grad(True)   # several models' zero_grad() together cleared them all
 
     def add_param_group(self, param_group: dict) -> None:
         group = dict(param_group)

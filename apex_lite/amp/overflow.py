@@ -3,22 +3,21 @@
 A ``scale_loss`` that unscales gradients leaves one ``OverflowCheck`` on each optimizer it was
 given: the ``found_inf`` flags the unscale kernels wrote (one 1-element fp32 tensor per device,
 zeroed here) and the loss. ``resolve()`` reads them in the only host sync of the step (after an
-all-reduce MAX when torch.distributed is initialised), updates the loss scaler once, logs a skip,
-and answers whether the optimizers that hold it must skip their step.
+all-reduce MAX when torch.distributed is initialised), updates the loss scaler once, hands the
+decision to the scaler's ``SkipLog`` (what to log; whether steps are stuck overflowing at the
+lowest scale, then raises ``OverflowStuckError``), and answers whether the optimizers that hold
+it must skip their step.
 """
 from __future__ import annotations
 
-import logging
 import math
-from typing import Dict, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from . import diagnostics
 from .scaler import LossScaler
-
-logger = logging.getLogger("apex_lite.amp")
-
 
 def distributed_active() -> bool:
     return dist.is_available() and dist.is_initialized()
@@ -28,13 +27,38 @@ def is_logging_rank() -> bool:
     return not distributed_active() or dist.get_rank() == 0
 
 
+class FlagPool:
+    """Reused ``found_inf`` flags: a resolved check gives its flags back, the next check zeroes
+    one instead of allocating (several checks can be pending at once, hence a pool)."""
+
+    def __init__(self):
+        self.free: Dict[torch.device, List[torch.Tensor]] = {}
+
+    def take(self, device: torch.device) -> torch.Tensor:
+        free = self.free.get(device)
+        if free:
+            return free.pop().zero_()
+        return torch.zeros(1, dtype=torch.float32, device=device)
+
+    def give_back(self, flags) -> None:
+        for flag in flags:
+            self.free.setdefault(flag.device, []).append(flag)
+
+
 class OverflowCheck:
     """The flags of one unscale, for one loss scaler."""
 
-    def __init__(self, scaler: LossScaler, loss: torch.Tensor, *, verbosity: int,
+    def __init__(self, scaler: LossScaler, loss: torch.Tensor, *,
+                 skip_log: diagnostics.SkipLog, run=None, optimizers: Sequence = (),
+                 flag_pool: Optional[FlagPool] = None,
                  process_group=None, inherited: Sequence["OverflowCheck"] = (),
                  delayed_losses: Sequence[torch.Tensor] = ()):
         self.scaler = scaler
+        self.skip_log = skip_log
+        # The run and the AmpOptimizers whose gradients the flags cover (to name the parameters
+        # in OverflowStuckError).
+        self.run = run
+        self.optimizers = list(optimizers)
         # Checks of earlier losses whose unscaled gradients this unscale adds to: the kernels
         # flag those too, so an overflow they carried in is charged to their scalers, not ours.
         self.inherited = list(inherited)
@@ -43,7 +67,7 @@ class OverflowCheck:
         self.losses = [l.detach().reshape(1).to(torch.float32)
                        for l in list(delayed_losses) + [loss]]
         self.found_infs: Dict[torch.device, torch.Tensor] = {}
-        self.verbosity = verbosity
+        self.flag_pool = flag_pool if flag_pool is not None else FlagPool()
         self.process_group = process_group
         self.overflow: Optional[bool] = None
         self.loss_nonfinite: Optional[bool] = None
@@ -52,7 +76,7 @@ class OverflowCheck:
         """The zeroed flag the kernels working on ``device`` write to."""
         flag = self.found_infs.get(device)
         if flag is None:
-            flag = self.found_infs[device] = torch.zeros(1, dtype=torch.float32, device=device)
+            flag = self.found_infs[device] = self.flag_pool.take(device)
         return flag
 
     def resolve(self) -> bool:
@@ -80,13 +104,18 @@ class OverflowCheck:
                 [grads_bad] + [l.to(device) for l in self.losses]).tolist()
             self.loss_nonfinite = not all(math.isfinite(v) for v in loss_values)
         self.overflow = grads_flag != 0.0 or self.loss_nonfinite
+        self.flag_pool.give_back(self.found_infs.values())
+        self.found_infs = {}
         if self.overflow and not self.loss_nonfinite \
                 and any([check.resolve() for check in self.inherited]):
             return self.overflow    # skipped, and already charged to the earlier loss's scaler
         old_scale = self.scaler.loss_scale
         self.scaler.update(self.overflow)
-        if self.overflow and self.verbosity >= 1 and is_logging_rank():
-            logger.warning(skip_message(self.scaler, old_scale, self.loss_nonfinite))
+        message = skip_message(self.scaler, old_scale, self.loss_nonfinite) \
+            if self.overflow else ""
+        if self.skip_log.record(old_scale, self.overflow, self.loss_nonfinite, message):
+            raise diagnostics.stuck_error(self.run, self.optimizers, self.skip_log,
+                                          self.loss_nonfinite)
         return self.overflow
 
 

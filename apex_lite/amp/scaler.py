@@ -7,8 +7,9 @@ the unscale kernels take ``1/scale`` without further syncs.
 Dynamic rule (apex's, plus hysteresis): start at ``min(2**16, max_loss_scale)``; after
 ``scale_window`` clean steps in a row double it, capped at ``max_loss_scale``; on an overflow the
 step is skipped and, once ``hysteresis`` overflows have accumulated since the last growth, the
-scale is halved, floored at ``min_loss_scale``. A static scale never changes; its overflowing
-steps are still skipped.
+scale is halved, floored at ``min_loss_scale`` (without one, at ``SMALLEST_LOSS_SCALE`` =
+2**-126, the smallest normal fp32 whose inverse, the unscale factor, is still finite in fp32).
+A static scale never changes; its overflowing steps are still skipped.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import math
 from typing import Optional
 
 DEFAULT_SCALE_WINDOW = 2000
+SMALLEST_LOSS_SCALE = 2.0 ** -126
 
 
 class LossScaler:
@@ -48,9 +50,8 @@ class LossScaler:
             if self.dynamic:
                 self.hysteresis_left -= 1
                 if self.hysteresis_left <= 0:
-                    halved = self.loss_scale / 2.0
-                    if self.min_loss_scale is not None:
-                        halved = max(self.min_loss_scale, halved)
+                    halved = max(self.loss_scale / 2.0, SMALLEST_LOSS_SCALE
+                                 if self.min_loss_scale is None else self.min_loss_scale)
                     self.loss_scale = halved
                     self.hysteresis_left = self.hysteresis
             return

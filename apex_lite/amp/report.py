@@ -1,0 +1,103 @@
+"""``amp.report``: what an ``initialize`` set up, in numbers a user can check (memory per dtype,
+the modules kept fp32, the kernel backend per device, shapes that miss the tensor cores)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+from .. import multi_tensor
+
+TENSOR_CORE_MULTIPLE = 8
+
+
+@dataclasses.dataclass
+class AmpReport:
+    """``tensors[kind][dtype] = (count, bytes)`` for kind "parameters", "gradients" and "master
+    weights"; ``kept_fp32`` the modules kept fp32 per model; ``backends[device] = (name, why)``;
+    ``not_multiple_of_8`` one line per Linear/Conv whose matmul dimensions are not multiples of 8
+    (fp16/bf16 tensor cores want them). ``str()`` gives the readable report."""
+    opt_level: str
+    half_dtype: torch.dtype
+    tensors: Dict[str, Dict[torch.dtype, Tuple[int, int]]]
+    kept_fp32: List[List[str]]
+    backends: Dict[str, Tuple[str, str]]
+    not_multiple_of_8: List[str]
+
+    def __str__(self) -> str:
+        lines = [f"apex_lite.amp report: opt_level {self.opt_level}, half dtype {self.half_dtype}"]
+        for kind, per_dtype in self.tensors.items():
+            if not per_dtype:
+                lines.append(f"  {kind}: none")
+            for dtype, (count, nbytes) in sorted(per_dtype.items(), key=lambda kv: str(kv[0])):
+                lines.append(f"  {kind}: {count} {dtype} tensors, {_size(nbytes)}")
+        for i, names in enumerate(self.kept_fp32):
+            label = f"model {i}" if len(self.kept_fp32) > 1 else "model"
+            lines.append(f"  {label} modules kept fp32: {', '.join(names) if names else 'none'}")
+        for device, (name, why) in self.backends.items():
+            lines.append(f"  kernels on {device}: {name} ({why})")
+        if self.not_multiple_of_8:
+            lines.append(f"  dimensions not multiples of {TENSOR_CORE_MULTIPLE} (slower on "
+                         f"tensor cores; pad them where you can):")
+            lines.extend(f"    {line}" for line in self.not_multiple_of_8)
+        else:
+            lines.append(f"  every Linear/Conv dimension is a multiple of {TENSOR_CORE_MULTIPLE}")
+        return "\n".join(lines)
+
+
+def _size(nbytes: int) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if nbytes < 1024:
+            return f"{nbytes} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.1f} GiB"
+
+
+def _tally(tensors) -> Dict[torch.dtype, Tuple[int, int]]:
+    out: Dict[torch.dtype, Tuple[int, int]] = {}
+    seen = set()
+    for t in tensors:
+        if t is None or id(t) in seen:
+            continue
+        seen.add(id(t))
+        count, nbytes = out.get(t.dtype, (0, 0))
+        out[t.dtype] = (count + 1, nbytes + t.numel() * t.element_size())
+    return out
+
+
+def _dimension_lines(models: Sequence[torch.nn.Module]) -> List[str]:
+    lines = []
+    for i, model in enumerate(models):
+        prefix = f"model {i}: " if len(models) > 1 else ""
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                dims = {"in_features": module.in_features, "out_features": module.out_features}
+            elif isinstance(module, torch.nn.modules.conv._ConvNd):
+                dims = {"in_channels": module.in_channels // module.groups,
+                        "out_channels": module.out_channels // module.groups}
+            else:
+                continue
+            odd = [f"{k}={v}" for k, v in dims.items() if v % TENSOR_CORE_MULTIPLE]
+            if odd:
+                lines.append(f"{prefix}{name} ({type(module).__name__}): {', '.join(odd)}")
+    return lines
+
+
+def build_report(run, models: Sequence[torch.nn.Module],
+                 optimizers: Sequence[torch.optim.Optimizer]) -> AmpReport:
+    params = [p for m in models for p in m.parameters()]
+    masters = [p for opt in optimizers for g in opt.param_groups for p in g["params"]
+               if p in run.model_of]
+    grads = [p.grad for p in params] + [p.grad for p in masters]
+    devices = sorted({str(p.device) for p in params})
+    kept = [run.kept_fp32[run.models.index(m)] if m in run.models else [] for m in models]
+    return AmpReport(
+        opt_level=run.properties.opt_level,
+        half_dtype=run.properties.half_dtype,
+        tensors={"parameters": _tally(params), "gradients": _tally(grads),
+                 "master weights": _tally(masters)},
+        kept_fp32=kept,
+        backends={d: multi_tensor.backend(torch.device(d)) for d in devices},
+        not_multiple_of_8=_dimension_lines(models),
+    )
