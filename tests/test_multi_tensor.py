@@ -421,6 +421,39 @@ def test_empty_lists_and_empty_tensors(backend, device):
     assert mt.nonfinite_flags(empties).cpu().tolist() == [False] * 3
 
 
+BAD_CALLS = {
+    "dtype": (lambda d: mt.scale([torch.ones(3, dtype=torch.float64, device=d)],
+                                 [torch.ones(3, device=d)], 2.0, torch.zeros(1, device=d)),
+              (TypeError, RuntimeError), r"inputs\[0\] has dtype"),
+    "shape": (lambda d: mt.scale([torch.ones(3, 2, device=d)], [torch.ones(2, 3, device=d)], 2.0,
+                                 torch.zeros(1, device=d)),
+              (ValueError, RuntimeError), r"inputs\[0\] has shape"),
+    "axpby shape": (lambda d: mt.axpby([torch.ones(3, device=d)], [torch.ones(4, device=d)],
+                                       [torch.ones(3, device=d)], 1.0, 1.0,
+                                       torch.zeros(1, device=d)),
+                    (ValueError, RuntimeError), r"xs\[0\] has shape"),
+    "lengths": (lambda d: mt.scale([torch.ones(3, device=d)], [], 2.0, torch.zeros(1, device=d)),
+                (ValueError,), "inputs has 1 tensors but outputs has 0"),
+    "found_inf": (lambda d: mt.scale([torch.ones(3, device=d)], [torch.ones(3, device=d)], 2.0,
+                                     torch.zeros(2, device=d)),
+                  (TypeError,), "found_inf must be a 1-element float32 tensor"),
+    "not a list": (lambda d: mt.scale(torch.ones(3, device=d), [torch.ones(3, device=d)], 2.0,
+                                      torch.zeros(1, device=d)),
+                   (TypeError,), "inputs must be a list or tuple of tensors"),
+    "l2norm dtype": (lambda d: mt.l2norm([torch.ones(3, device=d),
+                                          torch.ones(3, dtype=torch.int32, device=d)]),
+                     (TypeError, RuntimeError), r"tensors\[1\] has dtype"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CALLS))
+def test_bad_arguments_are_named(backend, device, case):
+    """Each backend refuses bad arguments naming the argument and its index, and writes nothing."""
+    call, errors, message = BAD_CALLS[case]
+    with pytest.raises(errors, match=message):
+        call(device)
+
+
 def test_backends_agree_bit_for_bit(device):
     """The two backends on the same inputs, compared with each other directly."""
     results = {}

@@ -104,7 +104,8 @@ def test_params_that_require_grad_are_written_under_no_grad(ops):
 
 @pytest.mark.parametrize("case,message", [
     ("dtype", "has dtype Double"),
-    ("sizes", "has 3 elements but outputs\\[0\\] has 4"),
+    ("sizes", "inputs\\[0\\] has shape \\[3\\] but outputs\\[0\\] has \\[4\\]"),
+    ("shape", "inputs\\[0\\] has shape \\[3, 2\\] but outputs\\[0\\] has \\[2, 3\\]"),
     ("lengths", "inputs has 1 tensors but outputs has 2"),
     ("found_inf", "found_inf must be a 1-element float32 CPU tensor"),
 ])
@@ -114,6 +115,8 @@ def test_cpp_argument_checks(ops, case, message):
         x = [torch.ones(3, dtype=torch.float64)]
     elif case == "sizes":
         out = [torch.ones(4)]
+    elif case == "shape":
+        x, out = [torch.ones(3, 2)], [torch.ones(2, 3)]
     elif case == "lengths":
         out = [torch.ones(3), torch.ones(3)]
     else:

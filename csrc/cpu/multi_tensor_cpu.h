@@ -104,8 +104,8 @@ inline void check_same_sizes(const char* op, const char* name_a, at::TensorList 
   TORCH_CHECK(a.size() == b.size(), "apex_lite::", op, ": ", name_a, " has ", a.size(),
               " tensors but ", name_b, " has ", b.size());
   for (size_t i = 0; i < a.size(); ++i) {
-    TORCH_CHECK(a[i].numel() == b[i].numel(), "apex_lite::", op, ": ", name_a, "[", i, "] has ",
-                a[i].numel(), " elements but ", name_b, "[", i, "] has ", b[i].numel());
+    TORCH_CHECK(a[i].sizes() == b[i].sizes(), "apex_lite::", op, ": ", name_a, "[", i,
+                "] has shape ", a[i].sizes(), " but ", name_b, "[", i, "] has ", b[i].sizes());
   }
 }
 
