@@ -52,7 +52,7 @@ def test_disabled_leaves_everything_untouched_and_scale_loss_yields_the_loss():
 @pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("level, fc_dtype, bn_dtype, master_dtype, out_dtype", [
     ("O0", "fp32", "fp32", "fp32", "fp32"),
-    ("O1", "fp32", "fp32", "fp32", "half"),
+    ("O1", "fp32", "fp32", "fp32", "fp32"),
     ("O2", "half", "fp32", "fp32", "fp32"),
     ("O3", "half", "half", "half", "fp32"),
 ])
@@ -120,6 +120,26 @@ def test_o2_inputs_are_cast_and_cast_model_outputs_is_honoured():
     assert out["out"].dtype == torch.bfloat16 and out["index"].dtype == torch.int64
 
 
+def test_o1_loss_outside_the_forward_is_computed_in_fp32():
+    # The loss is taken on the model's output outside autocast's reach: O1 hands it fp32
+    # outputs, so the loss matches the one torch.autocast computes inside its region.
+    torch.manual_seed(0)
+    fc = torch.nn.Linear(64, 512)
+    x, y = torch.randn(16, 64), torch.randint(0, 512, (16,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = torch.nn.functional.cross_entropy(fc(x), y)
+    model = amp.initialize(fc, opt_level="O1", verbosity=0)
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    assert loss.dtype == torch.float32
+    assert torch.equal(loss, expected)
+
+
+def test_o1_outputs_in_half_on_request():
+    model = amp.initialize(torch.nn.Linear(4, 4), opt_level="O1", verbosity=0,
+                           cast_model_outputs=torch.bfloat16)
+    assert model(torch.randn(2, 4)).dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize("rule", [torch.nn.LayerNorm, "norm", "*norm"])
 def test_keep_fp32_modules_by_type_or_name(rule):
     class WithNorm(torch.nn.Module):
@@ -169,8 +189,12 @@ def test_initialized_model_still_pickles(level):
 
 def test_o1_runs_the_forward_under_autocast_without_touching_torch():
     matmul, linear = torch.matmul, torch.nn.functional.linear
-    model = amp.initialize(torch.nn.Linear(4, 4), opt_level="O1", verbosity=0)
-    assert model(torch.randn(2, 4)).dtype == torch.bfloat16
+    inner = []
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    model[0].register_forward_hook(lambda module, args, out: inner.append(out.dtype))
+    model = amp.initialize(model, opt_level="O1", verbosity=0)
+    assert model(torch.randn(2, 4)).dtype == torch.float32     # outputs leave in fp32
+    assert inner == [torch.bfloat16]                           # the forward ran in half
     assert torch.matmul is matmul and torch.nn.functional.linear is linear
     assert torch.nn.Linear(4, 4)(torch.randn(2, 4)).dtype == torch.float32   # only the model
 
@@ -214,11 +238,13 @@ def test_register_functions_and_disable_casts():
             prod = module.mm(x, self.w)
             with amp.disable_casts():
                 plain = x @ self.w
-            return soft, prod, plain
+            seen.update(soft=soft.dtype, prod=prod.dtype, plain=plain.dtype)
+            return prod
 
+    seen = {}
     model = amp.initialize(Model(), opt_level="O1", verbosity=0)
-    soft, prod, plain = model(torch.randn(2, 4))
-    assert (soft.dtype, prod.dtype, plain.dtype) == (torch.float32, torch.bfloat16, torch.float32)
+    model(torch.randn(2, 4))
+    assert seen == {"soft": torch.float32, "prod": torch.bfloat16, "plain": torch.float32}
     with pytest.raises(ValueError, match="No function named 'nope'"):
         amp.register_half_function(module, "nope")
 

@@ -364,8 +364,11 @@ class AmpHandle:
             casting.wrap_forward(model, input_dtype=cast_type,
                                  output_dtype=props.cast_model_outputs or torch.float32)
         elif props.patch_torch_functions:
+            # Outputs leave in fp32 unless asked otherwise: the loss is usually computed outside
+            # the model's forward, beyond autocast's reach, and apex's O1 ran loss functions in
+            # fp32 (by patching torch), so a half loss there would be a silent loss of precision.
             casting.wrap_forward(model, autocast_dtype=props.half_dtype,
-                                 output_dtype=props.cast_model_outputs)
+                                 output_dtype=props.cast_model_outputs or torch.float32)
         elif props.cast_model_outputs is not None:
             casting.wrap_forward(model, output_dtype=props.cast_model_outputs)
         model.zero_grad = _ModelZeroGrad(model, run)
