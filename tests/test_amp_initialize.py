@@ -1,4 +1,5 @@
 """amp.initialize: return shapes, dtypes per opt level, O2 masters, casts, refusals."""
+import logging
 import pickle
 
 import pytest
@@ -388,3 +389,23 @@ def test_a_parameter_shared_by_two_models_gets_one_master_from_its_fp32_value():
     masters = [m for m in amp.master_params(opt) if m.shape == original.shape]
     assert len(masters) == 1
     torch.testing.assert_close(masters[0], original, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("level, half, fast_probe, warned", [
+    ("O2", torch.bfloat16, None, True),
+    ("O2", torch.bfloat16, "_is_avx512_bf16_supported", False),
+    ("O2", torch.bfloat16, "_is_amx_tile_supported", False),
+    ("O1", torch.float16, None, True),
+    ("O1", torch.float16, "_is_amx_fp16_supported", False),
+    ("O0", torch.bfloat16, None, False),
+])
+def test_slow_cpu_half_is_warned_about(monkeypatch, caplog, level, half, fast_probe, warned):
+    for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported",
+                  "_is_amx_fp16_supported"):
+        monkeypatch.setattr(torch.cpu, probe, lambda probe=probe: probe == fast_probe)
+    with caplog.at_level(logging.WARNING, logger="apex_lite.amp"):
+        amp.initialize(torch.nn.Linear(4, 4), opt_level=level, half_dtype=half)
+    messages = [r.getMessage() for r in caplog.records if "slow fallbacks" in r.getMessage()]
+    assert bool(messages) == warned
+    if warned:
+        assert f"{level} will still save memory" in messages[0]

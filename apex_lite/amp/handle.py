@@ -243,6 +243,30 @@ def _check_scale_args(num_losses, verbosity, min_loss_scale, max_loss_scale, hys
                          f"{max_loss_scale}; the dynamic scale must fit between them")
 
 
+def _slow_cpu_half(device_type: str, properties: Properties) -> Optional[str]:
+    """Why half matmuls will be slow on this CPU, or None. torch runs bf16/fp16 matmuls and
+    convolutions through slow fallbacks on CPUs without the matching matrix instructions."""
+    half = properties.half_dtype
+    uses_half = properties.patch_torch_functions or properties.cast_model_type == half
+    if device_type != "cpu" or not uses_half:
+        return None
+    def has(probe: str) -> bool:   # a torch too old to ask is given the benefit of the doubt
+        return getattr(torch.cpu, probe, lambda: True)()
+
+    if half == torch.bfloat16:
+        fast = has("_is_avx512_bf16_supported") or has("_is_amx_tile_supported")
+        needed = "AVX512-BF16 or AMX"
+    else:
+        fast = has("_is_amx_fp16_supported")
+        needed = "AMX-FP16"
+    if fast:
+        return None
+    return (f"this CPU lacks {needed} instructions, so torch runs {half} matmuls and "
+            f"convolutions through slow fallbacks here, often many times slower than fp32: "
+            f"{properties.opt_level} will still save memory but will likely train slower than "
+            f"O0 on this machine.")
+
+
 class AmpHandle:
     """One amp configuration. ``apex_lite.amp``'s module-level functions use a default one."""
 
@@ -334,6 +358,9 @@ class AmpHandle:
                         OPT_LEVELS[opt_level].brief)
             logger.info("Defaults for this optimization level, with overrides applied: %s",
                         properties.describe())
+            slow = _slow_cpu_half(device_type, properties)
+            if slow:
+                logger.warning(slow)
         return result()
 
     def _prepare_model(self, run: _Run, index: int, model: torch.nn.Module,
