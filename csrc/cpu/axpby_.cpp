@@ -24,21 +24,8 @@ void axpby_(at::TensorList given_xs, at::TensorList given_ys, double a, double b
   const ContiguousList staged_ys(given_ys, ContiguousList::Use::kRead);
   const at::TensorList xs = staged_xs.list();
   const at::TensorList ys = staged_ys.list();
-  const auto offsets = element_offsets(xs);
-  std::vector<AxpbySegmentFn> kernels(xs.size());
-  std::vector<const void*> x_data(xs.size());
-  std::vector<void*> y_data(xs.size());
-  for (size_t i = 0; i < xs.size(); ++i) {
-    kernels[i] = axpby_kernel_for(xs[i].scalar_type(), ys[i].scalar_type(), ys[i].scalar_type());
-    x_data[i] = xs[i].data_ptr();
-    y_data[i] = ys[i].data_ptr();
-  }
-  const float fa = static_cast<float>(a);
-  const float fb = static_cast<float>(b);
-  const bool saw_nonfinite = parallel_over_segments(
-      offsets, [&](int64_t t, int64_t begin, int64_t length) {
-        return kernels[t](x_data[t], y_data[t], y_data[t], begin, length, fa, fb);
-      });
+  const bool saw_nonfinite =
+      axpby_pass(xs, ys, ys, static_cast<float>(a), static_cast<float>(b));
   staged_ys.write_back();
   if (saw_nonfinite) raise_found_inf(found_inf);
 }

@@ -312,5 +312,44 @@ inline AxpbySegmentFn axpby_kernel_for(at::ScalarType x, at::ScalarType y, at::S
   return table[dtype_index(x)][dtype_index(y)][dtype_index(out)];
 }
 
+// The elementwise pass shared by scale_ and scale_out over contiguous lists (outputs may be the
+// inputs): outputs[i] = round(float(inputs[i]) * s). Returns whether an input was not finite.
+inline bool scale_pass(at::TensorList inputs, at::TensorList outputs, float s) {
+  const auto offsets = element_offsets(inputs);
+  std::vector<ScaleSegmentFn> kernels(inputs.size());
+  std::vector<const void*> in_data(inputs.size());
+  std::vector<void*> out_data(inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    kernels[i] = scale_kernel_for(inputs[i].scalar_type(), outputs[i].scalar_type());
+    in_data[i] = inputs[i].data_ptr();
+    out_data[i] = outputs[i].data_ptr();
+  }
+  return parallel_over_segments(offsets, [&](int64_t t, int64_t begin, int64_t length) {
+    return kernels[t](in_data[t], out_data[t], begin, length, s);
+  });
+}
+
+// The elementwise pass shared by axpby_ and axpby_out over contiguous lists (outputs may be ys):
+// outputs[i] = round(a * float(xs[i]) + b * float(ys[i])). Returns whether an x or y was not
+// finite.
+inline bool axpby_pass(at::TensorList xs, at::TensorList ys, at::TensorList outputs, float a,
+                       float b) {
+  const auto offsets = element_offsets(xs);
+  std::vector<AxpbySegmentFn> kernels(xs.size());
+  std::vector<const void*> x_data(xs.size());
+  std::vector<const void*> y_data(xs.size());
+  std::vector<void*> out_data(xs.size());
+  for (size_t i = 0; i < xs.size(); ++i) {
+    kernels[i] = axpby_kernel_for(xs[i].scalar_type(), ys[i].scalar_type(),
+                                  outputs[i].scalar_type());
+    x_data[i] = xs[i].data_ptr();
+    y_data[i] = ys[i].data_ptr();
+    out_data[i] = outputs[i].data_ptr();
+  }
+  return parallel_over_segments(offsets, [&](int64_t t, int64_t begin, int64_t length) {
+    return kernels[t](x_data[t], y_data[t], out_data[t], begin, length, a, b);
+  });
+}
+
 }  // namespace cpu
 }  // namespace apex_lite

@@ -18,18 +18,7 @@ void scale_(at::TensorList given, double scale, const at::Tensor& found_inf) {
   check_found_inf("scale_", found_inf);
   const ContiguousList staged(given, ContiguousList::Use::kRead);
   const at::TensorList tensors = staged.list();
-  const auto offsets = element_offsets(tensors);
-  std::vector<ScaleSegmentFn> kernels(tensors.size());
-  std::vector<void*> data(tensors.size());
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    kernels[i] = scale_kernel_for(tensors[i].scalar_type(), tensors[i].scalar_type());
-    data[i] = tensors[i].data_ptr();
-  }
-  const float s = static_cast<float>(scale);
-  const bool saw_nonfinite = parallel_over_segments(
-      offsets, [&](int64_t t, int64_t begin, int64_t length) {
-        return kernels[t](data[t], data[t], begin, length, s);
-      });
+  const bool saw_nonfinite = scale_pass(tensors, tensors, static_cast<float>(scale));
   staged.write_back();
   if (saw_nonfinite) raise_found_inf(found_inf);
 }

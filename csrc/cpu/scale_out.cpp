@@ -24,20 +24,7 @@ void scale_out(at::TensorList given_inputs, at::TensorList given_outputs, double
   const ContiguousList staged_outputs(given_outputs, ContiguousList::Use::kWrite);
   const at::TensorList inputs = staged_inputs.list();
   const at::TensorList outputs = staged_outputs.list();
-  const auto offsets = element_offsets(inputs);
-  std::vector<ScaleSegmentFn> kernels(inputs.size());
-  std::vector<const void*> in_data(inputs.size());
-  std::vector<void*> out_data(inputs.size());
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    kernels[i] = scale_kernel_for(inputs[i].scalar_type(), outputs[i].scalar_type());
-    in_data[i] = inputs[i].data_ptr();
-    out_data[i] = outputs[i].data_ptr();
-  }
-  const float s = static_cast<float>(scale);
-  const bool saw_nonfinite = parallel_over_segments(
-      offsets, [&](int64_t t, int64_t begin, int64_t length) {
-        return kernels[t](in_data[t], out_data[t], begin, length, s);
-      });
+  const bool saw_nonfinite = scale_pass(inputs, outputs, static_cast<float>(scale));
   staged_outputs.write_back();
   if (saw_nonfinite) raise_found_inf(found_inf);
 }
