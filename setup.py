@@ -111,6 +111,23 @@ def cpu_arch_flags(arch):
     return []
 
 
+def cxx_flags(arch):
+    """C++ flags of the CPU kernels (the JIT path in apex_lite/multi_tensor/_jit.py uses them too).
+
+    -fopenmp: at::parallel_for opens its OpenMP region in code inlined from ATen's headers, so
+    without it every call runs on one thread. -ffp-contract=off: a*x + b*y must round twice, as
+    the Python reference does (-mfma only makes FMA instructions available; with contraction off
+    the compiler never forms them)."""
+    if sys.platform == "win32":
+        return ["/O2", "/fp:precise", "/openmp"]
+    return ["-O3", "-fopenmp", "-ffp-contract=off"] + cpu_arch_flags(arch)
+
+
+# Linking libgomp by its soname binds to the copy torch has already loaded.
+LINK_FLAGS = [] if sys.platform == "win32" else ["-fopenmp"]
+NVCC_FLAGS = ["-O3", "--fmad=false"]
+
+
 def _write_build_info(torch, with_cuda, nvcc_version, arch):
     # Generated file (git-ignored): lets the loader name a torch version mismatch as such.
     with open(BUILD_INFO, "w") as f:
@@ -143,21 +160,13 @@ def _extensions(cpp_ext, cuda_ext):
     sources += sorted(glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
     if cuda_ext:
         sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
-    # -ffp-contract=off: a*x + b*y must round twice, as the Python reference does (-mfma only
-    # makes FMA instructions available; with contraction off the compiler never forms them).
     arch = "default" if sys.platform == "win32" else cpu_arch()
-    cxx_flags = (["/O2", "/fp:precise"] if sys.platform == "win32"
-                 else ["-O3", "-ffp-contract=off"] + cpu_arch_flags(arch))
-    extra_compile_args = {"cxx": cxx_flags}
+    extra_compile_args = {"cxx": cxx_flags(arch)}
     if cuda_ext:
-        extra_compile_args["nvcc"] = ["-O3", "--fmad=false"]
-        extension = cpp_extension.CUDAExtension(
-            "apex_lite._C", sources, extra_compile_args=extra_compile_args,
-            include_dirs=[os.path.join(HERE, "csrc")])
-    else:
-        extension = cpp_extension.CppExtension(
-            "apex_lite._C", sources, extra_compile_args=extra_compile_args,
-            include_dirs=[os.path.join(HERE, "csrc")])
+        extra_compile_args["nvcc"] = NVCC_FLAGS
+    make = cpp_extension.CUDAExtension if cuda_ext else cpp_extension.CppExtension
+    extension = make("apex_lite._C", sources, extra_compile_args=extra_compile_args,
+                     extra_link_args=LINK_FLAGS, include_dirs=[os.path.join(HERE, "csrc")])
 
     ninja = cpp_extension.is_ninja_available()
     _say("configuration:")
@@ -165,7 +174,7 @@ def _extensions(cpp_ext, cuda_ext):
     _say(f"  torch        {torch.__version__} (CUDA {torch.version.cuda})")
     _say(f"  sources      {len(sources)}: {' '.join(sources)}")
     _say(f"  cpu arch     {arch} (APEX_LITE_CPU_ARCH={os.environ.get('APEX_LITE_CPU_ARCH', '')!r})")
-    _say(f"  cxx flags    {' '.join(cxx_flags)}")
+    _say(f"  cxx flags    {' '.join(extra_compile_args['cxx'])}")
     if cuda_ext:
         _say(f"  nvcc         {nvcc} (CUDA {nvcc_version}), flags "
              f"{' '.join(extra_compile_args['nvcc'])}")

@@ -3,15 +3,16 @@
 torch.utils.cpp_extension.load builds csrc/ with ninja into torch's extension cache and loads
 the library, which registers the ops. Needs the source tree next to the package (an editable
 checkout), a C++ compiler and ninja; CUDA kernels are included when torch has CUDA and nvcc is
-found. The CPU kernels are compiled for AVX2 when this CPU has it (the build runs where it is
-used), as setup.py does. Failures are logged as errors with the compiler's message, never
-swallowed quietly.
+found. The compiler flags are setup.py's (AVX2 when this CPU has it, OpenMP, no FP
+contraction). Failures are logged as errors with the compiler's message, never swallowed quietly.
 """
 from __future__ import annotations
 
 import glob
+import importlib.util
 import logging
 import os
+from types import ModuleType
 from typing import Tuple
 
 import torch
@@ -20,6 +21,16 @@ logger = logging.getLogger("apex_lite.multi_tensor")
 
 CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                     "csrc")
+
+
+def _setup_flags() -> ModuleType:
+    """setup.py beside csrc/, loaded as a module (it defines functions; setup() runs only under
+    __main__), so the JIT build uses the same compiler flags as an installed one."""
+    spec = importlib.util.spec_from_file_location(
+        "apex_lite_setup", os.path.join(os.path.dirname(CSRC), "setup.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def build_and_load() -> Tuple[bool, str]:
@@ -41,14 +52,12 @@ def build_and_load() -> Tuple[bool, str]:
     logger.warning("apex_lite: APEX_LITE_JIT=1: compiling %d sources (%s CUDA) from %s; the "
                    "first call takes minutes", len(sources), "with" if with_cuda else "without",
                    CSRC)
-    cflags = ["-O3", "-ffp-contract=off"]
-    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
-        cflags += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+    flags = _setup_flags()
     try:
         cpp_extension.load(
             name="apex_lite_C_jit", sources=sources, extra_include_paths=[CSRC],
-            extra_cflags=cflags,
-            extra_cuda_cflags=["-O3", "--fmad=false"],
+            extra_cflags=flags.cxx_flags(flags.cpu_arch()), extra_ldflags=flags.LINK_FLAGS,
+            extra_cuda_cflags=flags.NVCC_FLAGS,
             with_cuda=with_cuda, is_python_module=False,
             verbose=os.environ.get("APEX_LITE_JIT_VERBOSE", "") == "1")
     except Exception as exc:  # compiler, linker or loader error: report it whole
