@@ -23,7 +23,7 @@ def parse_args():
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--opt-level", default="O2")
-    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--batch", type=int, default=64, help="per rank")
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--lr", type=float, default=0.05)

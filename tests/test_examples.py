@@ -31,6 +31,8 @@ SCRIPTS = {
     "dcgan_O2": ["examples/dcgan_multi_loss.py", "--device", "cpu", "--opt-level", "O2",
                  "--iterations", "4", "--batch-size", "8", "--ngf", "8", "--ndf", "8",
                  "--log-every", "2", "--threads", "1"],
+    "distributed": ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                    "examples/distributed.py", "--steps", "20", "--width", "32"],
     "step_overhead": ["bench/step_overhead.py", "--smoke", "--threads", "1"],
     "train_smoke": ["bench/train.py", "--smoke", "--threads", "1"],   # + --json, per run
 }
@@ -157,3 +159,11 @@ def test_train_smoke_table_and_json(runs):
     # The plot is made when matplotlib is importable and skipped, with a log line, when not.
     png = runs.out_dir / "train.png"
     assert png.exists() or "matplotlib is not installed" in stderr
+
+
+def test_distributed_example_trains_on_two_ranks(runs):
+    stdout, _ = _ok(runs, "distributed")
+    last = re.search(r"step +19 +loss " + NUMBER + r" +loss scale " + NUMBER +
+                     r" +skipped (\d+)/20 +\(2 ranks\)", stdout)
+    assert last, stdout
+    assert math.isfinite(float(last.group(1))) and int(last.group(3)) == 0
