@@ -12,3 +12,13 @@ def fresh_amp_handle(monkeypatch):
     torch.manual_seed(0)
     return handle
 
+
+
+@pytest.fixture(autouse=True)
+def cpu_with_half_units(monkeypatch):
+    """Tests see a CPU with bf16/fp16 matrix units, so that what amp logs does not depend on the
+    machine the suite runs on (amp.initialize warns on CPUs without them; a test of that warning
+    patches these probes itself)."""
+    for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported",
+                  "_is_amx_fp16_supported"):
+        monkeypatch.setattr(torch.cpu, probe, lambda: True, raising=False)
