@@ -86,7 +86,9 @@ def test_contradictory_overrides_raise_with_the_reason(level, kwargs, reason):
     ("O0", dict(keep_batchnorm_fp32=True)),
 ])
 def test_sensible_overrides_are_accepted(level, kwargs):
-    resolve_properties(level, device_type="cpu", **kwargs)
+    properties = resolve_properties(level, device_type="cpu", **kwargs)
+    for name, value in kwargs.items():
+        assert getattr(properties, name) == value, name
 
 
 def test_initialize_reports_an_unknown_level_without_touching_the_model():

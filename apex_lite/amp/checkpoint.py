@@ -11,6 +11,8 @@ import os
 import pickle
 import zipfile
 
+import torch
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint file that cannot be read: truncated, corrupted, or not a torch.save file."""
@@ -19,7 +21,6 @@ class CheckpointError(RuntimeError):
 def save_checkpoint(obj, path) -> None:
     """``torch.save(obj, path)``, atomically: a crash leaves the previous file, never half a new
     one."""
-    import torch
     path = os.fspath(path)
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
@@ -33,7 +34,6 @@ def save_checkpoint(obj, path) -> None:
 def load_checkpoint(path, **torch_load_kwargs):
     """``torch.load(path, **torch_load_kwargs)``; a truncated or corrupted file raises
     ``CheckpointError`` naming the file, the cause and the fix."""
-    import torch
     path = os.fspath(path)
     try:
         return torch.load(path, **torch_load_kwargs)

@@ -8,11 +8,12 @@ it is instead compiled on first use from the source tree by torch.utils.cpp_exte
 from __future__ import annotations
 
 import logging
-import os
 from types import ModuleType, SimpleNamespace
 from typing import Optional, Tuple, Union
 
 import torch
+
+from ._backend import _env_flag
 
 logger = logging.getLogger("apex_lite.multi_tensor")
 
@@ -21,10 +22,6 @@ _DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
 
 # (loaded, why): the outcome of the one attempt to load the library.
 _loaded: Optional[Tuple[bool, str]] = None
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _build_info() -> Optional[ModuleType]:
