@@ -69,6 +69,10 @@ def main():
             scaler = amp.loss_scalers()[0]
             print(f"step {step:4d}  loss {loss.item():.5f}  loss scale {scaler.loss_scale}  "
                   f"skipped {scaler.skipped_steps}/{scaler.steps}  ({world} ranks)")
+    # Every rank reaches the end before the group is torn down: a rank that destroys its gloo
+    # group while a peer still talks to it can abort that peer ("terminate called without an
+    # active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 

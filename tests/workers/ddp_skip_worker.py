@@ -48,6 +48,7 @@ def main():
                 "params": [p.detach().clone() for p in model.parameters()],
                 "masters": [p.detach().clone() for p in amp.master_params(optimizer)]},
                os.path.join(args.out, f"rank{rank}.pt"))
+    dist.barrier()   # no rank tears the gloo group down while a peer still uses it
     dist.destroy_process_group()
 
 
