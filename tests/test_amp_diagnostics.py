@@ -254,9 +254,13 @@ def test_report_o2():
     assert rep.tensors["parameters"] == {torch.bfloat16: (len(bf16), nbytes(bf16)),
                                          torch.float32: (len(fp32), nbytes(fp32))}
     assert len(bf16) == 4 + 0 and len(fp32) == 2 + 2    # fc1, fc2 half; bn and conv fp32
-    # Under O2 the half gradients are folded into the fp32 master gradients.
+    # Under O2 the half gradients are unscaled into the fp32 master gradients and stay until
+    # they are cleared, as torch's .grad does.
     grads = [p.grad for p in masters]
-    assert rep.tensors["gradients"] == {torch.float32: (len(grads), nbytes(grads))}
+    half_grads = [p.grad for p in bf16]
+    assert len(half_grads) == 4 and all(g is not None for g in half_grads)
+    assert rep.tensors["gradients"] == {torch.float32: (len(grads), nbytes(grads)),
+                                        torch.bfloat16: (4, nbytes(half_grads))}
     half_masters = [p for p in masters if p in amp.default_handle()._run.model_of]
     assert rep.tensors["master weights"] == {torch.float32: (4, nbytes(half_masters))}
     assert rep.kept_fp32 == [["bn"]]

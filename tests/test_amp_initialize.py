@@ -73,7 +73,9 @@ def test_dtypes_per_level(level, fc_dtype, bn_dtype, master_dtype, out_dtype, ha
     assert masters[0].dtype == resolve[master_dtype]
     assert all(m.grad is not None and m.grad.dtype == m.dtype for m in masters)
     if level == "O2":
-        assert model.fc1.weight.grad is None          # moved into the fp32 master gradient
+        # Unscaled into the fp32 master gradient; the half gradient stays until it is cleared
+        # (the sign that the next backward accumulates, as torch's .grad does).
+        assert model.fc1.weight.grad is not None and model.fc1.weight.grad.dtype == half
         assert masters[0] is not model.fc1.weight
     else:
         assert masters[0] is model.fc1.weight

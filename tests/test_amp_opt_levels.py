@@ -62,8 +62,6 @@ def test_unknown_opt_level_lists_the_valid_ones(level):
     ("O1", dict(keep_batchnorm_fp32=True), "keep_batchnorm_fp32 must be None"),
     ("O1", dict(master_weights=True), "doesn't make sense to use master_weights with O1"),
     ("O2", dict(patch_torch_functions=True), "belongs to opt_level='O1'"),
-    ("O0", dict(master_weights=True), "nothing to master"),
-    ("O2", dict(cast_model_type=torch.float32), "nothing to master"),
     ("O0", dict(keep_batchnorm_fp32=False), "keeps the whole model in fp32"),
     ("O2", dict(half_dtype=torch.bfloat16, cast_model_type=torch.float16), "contradicts"),
     ("O2", dict(half_dtype=torch.float32), "half_dtype must be one of"),

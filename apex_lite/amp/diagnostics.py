@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from .. import multi_tensor
 from .casting import apply_to_floats
+from .scaler import SMALLEST_LOSS_SCALE
 
 logger = logging.getLogger("apex_lite.amp")
 
@@ -47,6 +48,7 @@ class SkipLog:
         self.recent: collections.deque = collections.deque(maxlen=SKIP_RATE_WINDOW)
         self.rate_warned_at = -SKIP_RATE_WINDOW   # scaler.steps of the last rate warning
         self.far_below_warned = False
+        self.floor_warned = False       # the skip-at-the-floor warning is given once
         self.floor_skips = 0            # consecutive skips with the scale at its floor
         self.floor_nonfinite_losses = 0   # how many of those had a non-finite loss
 
@@ -57,7 +59,10 @@ class SkipLog:
         scaler = self.scaler
         steps_before = scaler.steps - 1
         skipped_before = scaler.skipped_steps - (1 if overflow else 0)
-        calibrating = scaler.dynamic and steps_before == skipped_before
+        # Skips are calibration only while the scale can still fall: at its floor they are not.
+        floor = scaler.min_loss_scale if scaler.min_loss_scale is not None \
+            else SMALLEST_LOSS_SCALE
+        calibrating = scaler.dynamic and steps_before == skipped_before and old_scale > floor
         # Only rank 0 logs in a distributed run (every rank reaches the same decisions).
         verbosity = self.verbosity if _logging_rank() else 0
         verbose = verbosity >= 1
@@ -69,6 +74,19 @@ class SkipLog:
         elif calibrating and skipped_before and verbose:
             logger.info("loss scaler %d: first %d steps skipped while the loss scale "
                         "calibrated to %s", scaler.loss_id, skipped_before, scaler.loss_scale)
+        if overflow and scaler.dynamic and old_scale <= floor and not self.floor_warned:
+            self.floor_warned = True
+            if verbose:
+                logger.warning(
+                    "loss scaler %d: a step was skipped with the loss scale at its floor %s "
+                    "(%s), so lowering the scale can no longer make the gradients finite: the "
+                    "backward produces inf/NaN at any scale (%d of %d steps skipped so far). "
+                    "Check the learning rate and the inputs, and locate the layer with "
+                    "amp.locate_nonfinite(model); a lower min_loss_scale helps only if the "
+                    "gradients are merely large.", scaler.loss_id, old_scale,
+                    "min_loss_scale" if scaler.min_loss_scale is not None else
+                    "the smallest scale whose inverse is finite in fp32",
+                    scaler.skipped_steps, scaler.steps)
         if not (calibrating and overflow):
             self.recent.append(overflow)
             self._warn_rate(verbose)

@@ -94,6 +94,15 @@ class _Run:
                 owner, _, key = name.rpartition(".")
                 self.first_slots.append((model.get_submodule(owner), key))
         self.first_devices = [None if p is None else p.device for p in self.first_params]
+        # One parameter per (model, floating dtype): model.half() / .float() / .double() after
+        # initialize changes the dtype of parameters in place, keeping their identity.
+        self.dtype_probes = []
+        for i, model in enumerate(self.models):
+            seen = set()
+            for name, p in model.named_parameters():
+                if p.is_floating_point() and p.dtype not in seen:
+                    seen.add(p.dtype)
+                    self.dtype_probes.append((i, name, p, p.dtype))
 
     def check_placement(self, caller: str) -> None:
         """Raise when a model was moved or its parameters replaced after ``initialize``. O(1) per
@@ -116,6 +125,31 @@ class _Run:
                 f"initializing (model.to(device); then model, optimizer = amp.initialize(model, "
                 f"optimizer, ...)), or build a fresh model and optimizer on the new device, load "
                 f"their state_dicts and call amp.initialize again.")
+        for i, name, param, dtype in self.dtype_probes:
+            if param.dtype != dtype:
+                label = f"model {i}" if len(self.models) > 1 else "the model"
+                raise RuntimeError(
+                    f"{caller}: the dtype of {label} changed after amp.initialize: parameter "
+                    f"{name!r} is now {param.dtype} but was {dtype} when amp.initialize set it "
+                    f"up (model.half(), .bfloat16(), .float() or .double() after initialize?). "
+                    f"amp casts the model itself at the opt level's dtypes: build the model in "
+                    f"fp32 and choose the opt level (O1 autocast, O2 half with fp32 masters, O3 "
+                    f"pure half) or half_dtype= in amp.initialize instead of casting it.")
+
+    def refuse_shared_params(self, amp_optimizer, params, caller: str) -> None:
+        """Raise when one of ``params`` (masters) is already updated by another optimizer of
+        this run: one scale_loss would unscale its gradient once per optimizer."""
+        owned = {id(p): other for other in self.optimizers if other is not amp_optimizer
+                 for p in other.masters()}
+        for p in params:
+            other = owned.get(id(p))
+            if other is not None:
+                raise ValueError(
+                    f"{caller}: parameter {self.param_name(p)!r} is already updated by "
+                    f"{other.label()}; under amp each parameter belongs to one optimizer (a "
+                    f"scale_loss given both would unscale its gradient twice, and each step() "
+                    f"would apply it again). Give each parameter to one optimizer, or use one "
+                    f"optimizer with a param group per learning rate.")
 
     def model_zeroed(self, model: torch.nn.Module, set_to_none: bool) -> None:
         """``model.zero_grad()`` was called: clear what amp keeps for those parameters."""
@@ -343,6 +377,17 @@ class AmpHandle:
                     f"parameter of the model(s) passed to amp.initialize. Pass every model "
                     f"whose parameters it updates, e.g. amp.initialize([model_a, model_b], "
                     f"optimizer, ...), or build the optimizer from model.parameters().")
+        owner: Dict[int, int] = {}
+        for i, opt in enumerate(opt_list):
+            for p in {id(p): p for g in opt.param_groups for p in g["params"]}.values():
+                first = owner.setdefault(id(p), i)
+                if first != i:
+                    raise ValueError(
+                        f"parameter {run.param_name(p)!r} is in optimizer {first} and in "
+                        f"optimizer {i}; under amp each parameter belongs to one optimizer (a "
+                        f"scale_loss given both would unscale its gradient twice, and each "
+                        f"step() would apply it again). Give each parameter to one optimizer, "
+                        f"or use one optimizer with a param group per learning rate.")
 
         # Now change things: cast the models, wrap their forwards, take over the optimizers.
         for index, model in enumerate(model_list):
@@ -387,6 +432,7 @@ class AmpHandle:
             casting.cast_model(model, cast_type, kept)
             if run.master_pairs[index]:
                 _follow_model_loads(model, run.master_pairs[index])
+            model.register_state_dict_post_hook(_Fp32StateDict(run.master_pairs[index]))
         if cast_type is not None:
             casting.wrap_forward(model, input_dtype=cast_type,
                                  output_dtype=props.cast_model_outputs or torch.float32)
@@ -437,6 +483,12 @@ class AmpHandle:
                              f"with num_losses={len(run.scalers)}, so loss_id must be in "
                              f"0..{len(run.scalers) - 1}")
         opt_list, _ = _as_list(optimizers, torch.optim.Optimizer, "optimizers")
+        if not opt_list:
+            raise ValueError("amp.scale_loss got no optimizers: it unscales and checks the "
+                             "gradients of the optimizers it is given, so with none the next "
+                             "step() would apply gradients still multiplied by the loss scale. "
+                             "Pass the optimizer(s) whose parameters the loss reaches: "
+                             "amp.scale_loss(loss, optimizer).")
         amp_opts: List[AmpOptimizer] = []
         for i, opt in enumerate(opt_list):
             amp_opt = getattr(opt, _MARK, None)
@@ -445,8 +497,13 @@ class AmpHandle:
                                    f"amp.initialize; pass it there and use the returned "
                                    f"optimizer")
             if amp_opt.run is not run:
-                raise RuntimeError(f"optimizer {i} given to amp.scale_loss belongs to an earlier "
-                                   f"amp.initialize call; use the optimizers of the latest call")
+                raise RuntimeError(
+                    f"optimizer {i} given to amp.scale_loss belongs to an earlier "
+                    f"amp.initialize call; use the optimizers of the latest call. If another "
+                    f"thread (or another training run in this process) called amp.initialize "
+                    f"since, give each its own handle instead of the module-level functions: "
+                    f"handle = amp.AmpHandle(); model, optimizer = handle.initialize(...); "
+                    f"with handle.scale_loss(loss, optimizer) as scaled: ...")
             if amp_opt.in_scale_loss:
                 raise RuntimeError(
                     f"amp.scale_loss was entered for optimizer {i} inside another "
@@ -466,25 +523,33 @@ class AmpHandle:
         stashes = [amp_opt.before_backward() for amp_opt in amp_opts]
         for amp_opt in amp_opts:
             amp_opt.in_scale_loss = True
+        scaled_loss = loss.float() * loss_scale
+        backward = _BackwardWatch(scaled_loss)
         try:
-            yield loss.float() * loss_scale
+            yield scaled_loss
         except BaseException:
             for amp_opt, stash in zip(amp_opts, stashes):
                 amp_opt.restore_stash(stash)
             raise
         finally:
+            backward.block_exited = True
             for amp_opt in amp_opts:
                 amp_opt.in_scale_loss = False
+        if not backward.ran:
+            # No backward through the scaled loss (`scaled_loss.backward` without the
+            # parentheses, or a skipped backward): nothing to unscale; step() refuses.
+            for amp_opt, stash in zip(amp_opts, stashes):
+                amp_opt.restore_stash(stash)
+                amp_opt.missing_backward = True
+            return
         check = None
         if not delay_unscale:
-            inherited = [c for amp_opt in amp_opts if amp_opt.grad_state == UNSCALED
-                         for c in amp_opt.checks]
             delayed = [l for amp_opt in amp_opts for l in amp_opt.pending_losses]
             check = OverflowCheck(scaler, loss, skip_log=run.skip_logs[loss_id], run=run,
                                   optimizers=amp_opts, flag_pool=run.flag_pool,
-                                  process_group=run.process_group,
-                                  inherited=inherited, delayed_losses=delayed)
+                                  process_group=run.process_group, delayed_losses=delayed)
         for amp_opt, stash in zip(amp_opts, stashes):
+            amp_opt.missing_backward = False
             amp_opt.after_backward(stash, loss, loss_scale, loss_id, delay_unscale, check)
         if check is not None and not delay_overflow_check:
             check.resolve()
@@ -634,6 +699,27 @@ class AmpHandle:
                 yield p
 
 
+class _BackwardWatch:
+    """Whether a backward ran through a ``scale_loss`` block's scaled loss, and a refusal of one
+    that runs after the block exited (its gradients would never be unscaled or checked). A hook
+    on the scaled loss: it runs before any gradient is written, so the refusal changes nothing."""
+
+    def __init__(self, scaled_loss: torch.Tensor):
+        self.ran = False
+        self.block_exited = False
+        if scaled_loss.requires_grad:
+            scaled_loss.register_hook(self._on_backward)
+
+    def _on_backward(self, grad: torch.Tensor) -> None:
+        if self.block_exited:
+            raise RuntimeError(
+                "scaled_loss.backward() was called after its `with amp.scale_loss(...)` block "
+                "exited: amp unscales and checks the gradients when the block exits, so these "
+                "would reach step() still multiplied by the loss scale. Call "
+                "scaled_loss.backward() inside the block.")
+        self.ran = True
+
+
 class _ModelZeroGrad:
     """``model.zero_grad`` after initialize (apex programs such as its DCGAN example zero the
     model, not the optimizer): also clears the O2 master gradients of those parameters and, when
@@ -681,6 +767,27 @@ class _MastersFollowModelLoads:
                 elif not torch.equal(master.to(model_param.dtype), model_param):
                     master.copy_(model_param)
         self.incoming.clear()
+
+
+class _Fp32StateDict:
+    """``state_dict()`` of a model cast to half holds fp32, as apex's did, and better: under O2
+    each parameter's fp32 master itself (exact: a model checkpoint alone resumes bit for bit and
+    loads into a plain fp32 model); every other half tensor (O3's parameters, half buffers)
+    upcast to fp32, which is exact. fp32-kept modules are fp32 already. A state_dict post-hook
+    of a module-level class, so that the model still pickles."""
+
+    def __init__(self, pairs: List[tuple]):
+        self.masters = {name: master for name, _, master in pairs}
+
+    def __call__(self, module, state_dict, prefix, local_metadata) -> None:
+        for key, value in state_dict.items():
+            if not key.startswith(prefix) or not isinstance(value, torch.Tensor):
+                continue
+            master = self.masters.get(key[len(prefix):])
+            if master is not None:
+                state_dict[key] = master.detach()
+            elif value.dtype in (torch.float16, torch.bfloat16):
+                state_dict[key] = value.detach().float()
 
 
 def _follow_model_loads(model: torch.nn.Module, pairs: List[tuple]) -> None:

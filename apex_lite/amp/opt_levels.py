@@ -115,8 +115,10 @@ def resolve_properties(opt_level, *, device_type: str, half_dtype=None, cast_mod
     level = OPT_LEVELS[opt_level]
 
     half_dtype = _parse_dtype("half_dtype", half_dtype, HALF_DTYPES)
-    cast_model_type = _parse_dtype("cast_model_type", None if cast_model_type is False
-                                   else cast_model_type, (torch.float32,) + HALF_DTYPES)
+    # apex's cast_model_type=False: leave the model as it is (None: the level's default).
+    no_cast = cast_model_type is False or cast_model_type == "False"
+    cast_model_type = None if no_cast else _parse_dtype(
+        "cast_model_type", cast_model_type, (torch.float32,) + HALF_DTYPES)
     cast_model_outputs = _parse_dtype("cast_model_outputs", cast_model_outputs,
                                       (torch.float32,) + HALF_DTYPES)
     keep_batchnorm_fp32 = _parse_bool("keep_batchnorm_fp32", keep_batchnorm_fp32)
@@ -153,15 +155,14 @@ def resolve_properties(opt_level, *, device_type: str, half_dtype=None, cast_mod
     resolved_cast = level.cast_model_type if cast_model_type is None else cast_model_type
     if resolved_cast is HALF:
         resolved_cast = half_dtype
+    if no_cast:
+        resolved_cast = None
     resolved_master = level.master_weights if master_weights is None else master_weights
     resolved_keep_bn = level.keep_batchnorm_fp32 if keep_batchnorm_fp32 is None \
         else keep_batchnorm_fp32
 
-    if resolved_master and resolved_cast not in HALF_DTYPES:
-        raise ValueError(f"master_weights=True keeps fp32 copies of a half model's weights, but "
-                         f"{opt_level} with cast_model_type={resolved_cast} leaves the model in "
-                         f"fp32: there is nothing to master. Use opt_level='O2' for half weights "
-                         f"with fp32 masters, or O0 for fp32 training.")
+    # master_weights=True on a model left in fp32 (cast_model_type=False or torch.float32) is
+    # accepted, as apex did: the fp32 parameters are their own masters, no copies are made.
     if resolved_cast == torch.float32 and keep_batchnorm_fp32 is False:
         raise ValueError(f"keep_batchnorm_fp32=False asks for half batchnorm, but {opt_level} "
                          f"keeps the whole model in fp32; use opt_level='O3' for a pure half "

@@ -10,6 +10,20 @@ Gradient bookkeeping per optimizer (``grad_state``):
 - CLEAN: no gradient since ``zero_grad`` (or gradients that are None / zero);
 - SCALED: gradients hold a backward still multiplied by the loss scale (``delay_unscale=True``);
 - UNSCALED: gradients hold true values; another backward is accumulated with ``axpby`` into them.
+
+Accumulation follows torch's rule on the unscaled values: a gradient accumulates until it is
+cleared, however it is cleared. Under O2 the model's half ``.grad`` stays in place after the
+unscale (its values live on, unscaled, in the master's fp32 ``.grad``) as the sign that the user
+has not cleared it: a backward into a model parameter whose ``.grad`` was set to None (by
+``zero_grad``, ``model.zero_grad`` or by hand) starts its master gradient afresh, one whose
+``.grad`` is still there adds to it. So O2 master gradients never carry a finished step into the
+next one unless the model's gradients were left uncleared, as plain torch would accumulate them.
+
+What ``step()`` refuses, before it changes anything: a step inside the ``scale_loss`` block (the
+gradients are still scaled), gradients still scaled by ``delay_unscale``, a ``scale_loss`` block
+that ran no backward, a second step on the same gradients, and gradients that no ``scale_loss``
+for this optimizer unscaled (a backward outside ``scale_loss``, or a ``scale_loss`` that fed this
+optimizer's parameters without being given the optimizer).
 """
 from __future__ import annotations
 
@@ -41,6 +55,12 @@ def fused_accumulate(new: List[torch.Tensor], into: List[torch.Tensor], scale: f
                      found_inf: torch.Tensor) -> None:
     """``into += scale * new`` (``multi_tensor.axpby`` in place) for lists amp built."""
     ops_for(found_inf.device).axpby_(new, into, float(scale), 1.0, found_inf)
+
+
+def flag_nonfinite(tensors: List[torch.Tensor], found_inf: torch.Tensor) -> None:
+    """Set ``found_inf`` when one of ``tensors`` holds inf or NaN; reads only, no sync."""
+    bad = ops_for(found_inf.device).nonfinite_flags(tensors).any()
+    torch.maximum(found_inf, bad.to(found_inf.dtype).reshape(1), out=found_inf)
 
 
 class _DeviceGroup:
@@ -96,6 +116,8 @@ class AmpOptimizer:
         self.stepped_since_backward = False
         # Inside an amp.scale_loss for this optimizer (a nested one would mix two backwards).
         self.in_scale_loss = False
+        # The last scale_loss for this optimizer exited without a backward through its loss.
+        self.missing_backward = False
         self._groups: Optional[Dict[torch.device, _DeviceGroup]] = None
         self._original_step = optimizer.step
         self._original_zero_grad = optimizer.zero_grad
@@ -176,27 +198,35 @@ class AmpOptimizer:
                 f"pass delay_unscale=False so each backward is unscaled on its own.")
 
     def before_backward(self) -> Dict[int, torch.Tensor]:
-        """Move true (already unscaled) gradients aside so the backward writes fresh ones; the
-        stash is added back by ``after_backward``. O2's half gradients need no stash: their
-        unscaled values already live in the master gradients."""
+        """Move the gradients of earlier backwards aside so that this backward writes fresh
+        ones: an fp32 gradient's true values (added back by the unscale), and an O2 model's half
+        gradient (its values already live in the master gradient; it is put back when this
+        backward leaves the parameter without a gradient). An O2 master whose model gradient was
+        cleared since starts afresh. Keys: ``id`` of the model parameter."""
         stash: Dict[int, torch.Tensor] = {}
         if self.grad_state != UNSCALED:
             return stash
         for group in self.groups().values():
             for model_param, master in zip(group.model_params, group.masters):
-                if model_param is master and master.grad is not None:
-                    stash[id(master)] = master.grad
+                grad = model_param.grad
+                if grad is not None:
+                    stash[id(model_param)] = grad
+                    model_param.grad = None
+                elif model_param is not master:
                     master.grad = None
+        if not stash:
+            # Every gradient was cleared (``p.grad = None`` by hand): as after zero_grad.
+            self._reset(set_to_none=True)
         return stash
 
     def restore_stash(self, stash: Dict[int, torch.Tensor]) -> None:
-        """Give stashed true gradients back when the backward raised (amp changes no state then;
-        a backward that failed half way may still have written some gradients itself)."""
+        """Give stashed gradients back when the backward raised (amp changes no state then; a
+        backward that failed half way may still have written some gradients itself)."""
         for group in self.groups().values():
-            for master in group.masters:
-                old = stash.get(id(master))
+            for model_param in group.model_params:
+                old = stash.get(id(model_param))
                 if old is not None:
-                    master.grad = old
+                    model_param.grad = old
 
     def after_backward(self, stash: Dict[int, torch.Tensor], loss: torch.Tensor,
                        loss_scale: float, loss_id: int, delay_unscale: bool,
@@ -204,11 +234,7 @@ class AmpOptimizer:
         """Unscale the new gradients into the masters' gradients, adding the stash, flagging
         non-finite values in ``check``; or, with ``delay_unscale``, leave them scaled."""
         if delay_unscale:
-            for group in self.groups().values():
-                for model_param, master in zip(group.model_params, group.masters):
-                    if id(master) in stash:
-                        # Cannot happen for a CLEAN or SCALED optimizer; kept for safety.
-                        master.grad = stash[id(master)]
+            self.restore_stash(stash)   # empty: a CLEAN or SCALED optimizer stashes nothing
             self.grad_state = SCALED
             self.pending_scale = loss_scale
             self.pending_loss_id = loss_id
@@ -233,8 +259,12 @@ class AmpOptimizer:
                  check: OverflowCheck) -> None:
         inv_scale = 1.0 / loss_scale
         accumulate = self.grad_state == UNSCALED
+        # When an earlier backward may have left inf/NaN in the gradients this one adds to, the
+        # accumulating kernel would flag them again: check the new gradients on their own, so
+        # that this loss's scaler backs off only for an overflow of its own backward.
+        history_clean = all(earlier.known_clean(self) for earlier in self.checks)
         for device, group in self.groups().items():
-            found_inf = check.found_inf(device)
+            found_inf = check.found_inf(self, device)
             if not accumulate and self._unscale_fresh(group, inv_scale, found_inf):
                 continue
             fresh_in: List[torch.Tensor] = []
@@ -244,37 +274,36 @@ class AmpOptimizer:
             restore: List[Tuple[torch.Tensor, torch.Tensor]] = []
             for model_param, master in zip(group.model_params, group.masters):
                 grad = model_param.grad
-                if model_param is master:
-                    old = stash.get(id(master))
-                    if grad is None:
-                        if old is not None:
-                            master.grad = old
-                    elif old is None:
+                old = stash.get(id(model_param))
+                if grad is None:
+                    if old is not None:
+                        model_param.grad = old   # this backward did not reach it
+                elif model_param is master:
+                    if old is None:
                         fresh_in.append(grad)
                         fresh_out.append(grad)
                     else:
                         acc_new.append(grad)
                         acc_into.append(old)
                         restore.append((master, old))
-                elif grad is not None:
-                    if accumulate and master.grad is not None:
-                        acc_new.append(grad)
-                        acc_into.append(master.grad)
-                    else:
-                        if master.grad is None:
-                            master.grad = torch.empty_like(master)
-                        fresh_in.append(grad)
-                        fresh_out.append(master.grad)
+                elif accumulate and master.grad is not None:
+                    acc_new.append(grad)
+                    acc_into.append(master.grad)
+                else:
+                    if master.grad is None:
+                        master.grad = torch.empty_like(master)
+                    fresh_in.append(grad)
+                    fresh_out.append(master.grad)
             if fresh_in:
                 fused_scale(fresh_in, fresh_out, inv_scale, found_inf)
             if acc_new:
-                fused_accumulate(acc_new, acc_into, inv_scale, found_inf)
+                if history_clean:
+                    fused_accumulate(acc_new, acc_into, inv_scale, found_inf)
+                else:
+                    flag_nonfinite(acc_new, found_inf)
+                    fused_accumulate(acc_new, acc_into, inv_scale, group.scratch_flag())
             for master, grad in restore:
                 master.grad = grad
-            for model_param in group.half_models:
-                # Their values are in the master grads now; None lets the next backward write
-                # fresh half gradients instead of accumulating into these scaled ones.
-                model_param.grad = None
 
     @staticmethod
     def _unscale_fresh(group: _DeviceGroup, inv_scale: float, found_inf: torch.Tensor) -> bool:
@@ -297,14 +326,20 @@ class AmpOptimizer:
                 master.grad = buffer
             outs.append(master.grad)
         fused_scale(grads + half_grads, outs, inv_scale, found_inf)
-        for model_param in group.half_models:
-            # Their values are in the master grads now; None lets the next backward write
-            # fresh half gradients instead of accumulating into these scaled ones.
-            model_param.grad = None
         return True
 
     # ---- the patched methods --------------------------------------------------------------
+    def label(self) -> str:
+        """"optimizer <i> (<class>)", its place in the ``initialize`` call, for messages."""
+        index = self.run.optimizers.index(self) if self in self.run.optimizers else "?"
+        return f"optimizer {index} ({type(self.optimizer).__name__})"
+
     def step(self, closure=None):
+        if self.in_scale_loss:
+            raise RuntimeError(
+                f"{self.label()}.step() was called inside its `with amp.scale_loss(...)` block: "
+                f"the gradients are still multiplied by the loss scale there, and amp unscales "
+                f"and checks them when the block exits. Call optimizer.step() after the block.")
         if closure is not None:
             raise RuntimeError(
                 "optimizer.step(closure) is not supported under apex_lite.amp: a closure "
@@ -320,15 +355,25 @@ class AmpOptimizer:
                 "delay_unscale=False) before step().")
         self.run.check_placement("optimizer.step()")
         self.check_devices("optimizer.step()")
+        if self.missing_backward:
+            raise RuntimeError(
+                f"{self.label()}.step(): the last `with amp.scale_loss(...) as scaled_loss:` "
+                f"block for this optimizer ran no backward through scaled_loss (was it "
+                f"`scaled_loss.backward` without the parentheses?), so there are no gradients "
+                f"for amp to unscale and check. Call scaled_loss.backward() inside the block.")
         if self.stepped_since_backward:
             raise RuntimeError(
                 "optimizer.step() was called twice without a backward in between: the second "
                 "call would apply the same gradients (and momentum) again. Run the next "
                 "backward inside `with amp.scale_loss(loss, optimizer) as scaled: "
-                "scaled.backward()` before calling step() again, or remove the extra step().")
+                "scaled.backward()` before calling step() again, or remove the extra step(). "
+                "(A loss.backward() outside amp.scale_loss does not count: its gradients are "
+                "neither scaled nor checked.)")
+        if self.grad_state == CLEAN:
+            self._refuse_gradients_amp_did_not_unscale()
         skip = False
         for check in self.checks:
-            skip = check.resolve() or skip
+            skip = check.skips(self) or skip
         self.checks = []
         self.stepped_since_backward = True
         if skip:
@@ -340,6 +385,31 @@ class AmpOptimizer:
         self.copy_masters_to_model()
         return result
 
+    def _refuse_gradients_amp_did_not_unscale(self) -> None:
+        """``step()`` with no ``scale_loss`` for this optimizer since its gradients were cleared:
+        any non-zero gradient came from a backward amp did not unscale (one outside scale_loss,
+        or a scale_loss this optimizer was not given) and would be applied multiplied by the
+        loss scale, or not at all under O2. Off the hot path: one host read, here only."""
+        grads = [p.grad for group in self.groups().values() for p in group.model_params
+                 if p.grad is not None]
+        if not grads:
+            return
+        by_device: Dict[torch.device, List[torch.Tensor]] = {}
+        for grad in grads:
+            by_device.setdefault(grad.device, []).append(grad)
+        norms = [ops_for(device).l2norm(tensors, False)[0].to("cpu")
+                 for device, tensors in by_device.items()]
+        if float(torch.cat(norms).sum()) == 0.0:
+            return   # zeros left by zero_grad(set_to_none=False): a no-op step, as in torch
+        raise RuntimeError(
+            f"{self.label()}.step(): its parameters hold gradients that no amp.scale_loss for "
+            f"this optimizer unscaled or checked: they come from a loss.backward() outside "
+            f"amp.scale_loss, or from a scale_loss that this optimizer was not given (its "
+            f"backward reached these parameters). Stepping would apply them multiplied by the "
+            f"loss scale (or drop them under O2). Pass every optimizer whose parameters the loss "
+            f"reaches: `with amp.scale_loss(loss, [optimizer_a, optimizer_b]) as scaled: "
+            f"scaled.backward()`, or zero this optimizer's gradients before its step.")
+
     def copy_masters_to_model(self) -> None:
         """O2: round the updated fp32 masters into the half model, one fused call per device."""
         with torch.no_grad():
@@ -347,12 +417,22 @@ class AmpOptimizer:
                 if group.half_masters:
                     fused_scale(group.half_masters, group.half_models, 1.0, group.scratch_flag())
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        # A decision deferred by delay_overflow_check is made now, not dropped with the
-        # gradients: the scale still backs off (or counts a clean step) and the counters see it.
-        # The step itself is not taken, as zero_grad before step() means in plain torch.
+    def _reset(self, set_to_none: bool) -> None:
+        """Forget the gradients' bookkeeping, as zero_grad does. A decision deferred by
+        delay_overflow_check is made now, not dropped with the gradients: the scale still backs
+        off (or counts a clean step) and the counters see it."""
         for check in self.checks:
             check.resolve()
+        self.grad_state = CLEAN
+        self.pending_scale = None
+        self.pending_loss_id = None
+        self.pending_losses = []
+        self.checks = []
+        self.missing_backward = False
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        # The step itself is not taken, as zero_grad before step() means in plain torch.
+        self._reset(set_to_none)
         self._original_zero_grad(set_to_none=set_to_none)
         for group in self.groups().values():
             for model_param in group.half_models:
@@ -361,11 +441,6 @@ class AmpOptimizer:
                         model_param.grad = None
                     else:
                         model_param.grad.zero_()
-        self.grad_state = CLEAN
-        self.pending_scale = None
-        self.pending_loss_id = None
-        self.pending_losses = []
-        self.checks = []
 
     def model_zeroed(self, model_param_ids, set_to_none: bool) -> None:
         """A model's ``zero_grad()`` cleared the gradients of ``model_param_ids``: clear the O2
@@ -396,6 +471,7 @@ class AmpOptimizer:
         params = group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         group["params"] = self.run.masters_for(params, "optimizer.add_param_group")
+        self.run.refuse_shared_params(self, group["params"], "optimizer.add_param_group")
         self._original_add_param_group(group)
         self._groups = None
 

@@ -1,17 +1,23 @@
-"""The skip decision: one overflow check per unscale, read once, shared by its optimizers.
+"""The skip decision: one overflow check per backward, read once, per optimizer and per scaler.
 
 A ``scale_loss`` that unscales gradients leaves one ``OverflowCheck`` on each optimizer it was
-given: the ``found_inf`` flags the unscale kernels wrote (one 1-element fp32 tensor per device,
-zeroed here) and the loss. ``resolve()`` reads them in the only host sync of the step (after an
-all-reduce MAX when torch.distributed is initialised), updates the loss scaler once, hands the
-decision to the scaler's ``SkipLog`` (what to log; whether steps are stuck overflowing at the
-lowest scale, then raises ``OverflowStuckError``), and answers whether the optimizers that hold
-it must skip their step.
+given. The check holds one ``found_inf`` flag (a 1-element fp32 tensor, zeroed here) per
+optimizer and device, which the unscale kernels set when the gradients that THIS backward added
+to that optimizer's parameters hold inf or NaN, and the loss. ``resolve()`` reads them all in the
+only host sync of the step (after an all-reduce MAX when torch.distributed is initialised), and
+decides two things apart, as apex (which checked each backward's own contribution) and torch's
+GradScaler (which decides per optimizer) do:
+- the loss scaler's overflow: any flag of this backward, or a non-finite loss. The scaler is
+  updated once, and the decision handed to its ``SkipLog`` (what to log; whether steps are stuck
+  overflowing at the lowest scale, then ``OverflowStuckError``);
+- per optimizer, whether it must skip: its own flags, or a non-finite loss. An optimizer whose
+  parameters this backward left finite steps, even when another optimizer of the same
+  ``scale_loss`` overflowed.
 """
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -46,12 +52,11 @@ class FlagPool:
 
 
 class OverflowCheck:
-    """The flags of one unscale, for one loss scaler."""
+    """The flags of one backward, for one loss scaler and the optimizers it fed."""
 
     def __init__(self, scaler: LossScaler, loss: torch.Tensor, *,
                  skip_log: diagnostics.SkipLog, run=None, optimizers: Sequence = (),
-                 flag_pool: Optional[FlagPool] = None,
-                 process_group=None, inherited: Sequence["OverflowCheck"] = (),
+                 flag_pool: Optional[FlagPool] = None, process_group=None,
                  delayed_losses: Sequence[torch.Tensor] = ()):
         self.scaler = scaler
         self.skip_log = skip_log
@@ -59,56 +64,61 @@ class OverflowCheck:
         # in OverflowStuckError).
         self.run = run
         self.optimizers = list(optimizers)
-        # Checks of earlier losses whose unscaled gradients this unscale adds to: the kernels
-        # flag those too, so an overflow they carried in is charged to their scalers, not ours.
-        self.inherited = list(inherited)
         self.loss = loss.detach()
         # Losses of earlier delay_unscale=True backwards whose gradients this unscale finishes.
         self.losses = [l.detach().reshape(1).to(torch.float32)
                        for l in list(delayed_losses) + [loss]]
-        self.found_infs: Dict[torch.device, torch.Tensor] = {}
+        # (AmpOptimizer, device) -> flag. An AmpOptimizer hashes by identity.
+        self.found_infs: Dict[Tuple[object, torch.device], torch.Tensor] = {}
         self.flag_pool = flag_pool if flag_pool is not None else FlagPool()
         self.process_group = process_group
-        self.overflow: Optional[bool] = None
+        self.overflow: Optional[bool] = None          # the scaler's decision, once resolved
         self.loss_nonfinite: Optional[bool] = None
+        self.overflowed: Set[object] = set()          # the optimizers whose own flags were set
 
-    def found_inf(self, device: torch.device) -> torch.Tensor:
-        """The zeroed flag the kernels working on ``device`` write to."""
-        flag = self.found_infs.get(device)
+    def found_inf(self, amp_optimizer, device: torch.device) -> torch.Tensor:
+        """The zeroed flag the kernels write for ``amp_optimizer``'s gradients on ``device``."""
+        key = (amp_optimizer, device)
+        flag = self.found_infs.get(key)
         if flag is None:
-            flag = self.found_infs[device] = self.flag_pool.take(device)
+            flag = self.found_infs[key] = self.flag_pool.take(device)
         return flag
 
+    def known_clean(self, amp_optimizer) -> bool:
+        """True when this check is resolved and found ``amp_optimizer``'s gradients finite (no
+        sync: False while unresolved)."""
+        return self.overflow is not None and not self.skips(amp_optimizer)
+
+    def skips(self, amp_optimizer) -> bool:
+        """Whether ``amp_optimizer`` must skip its step because of this backward (resolves)."""
+        self.resolve()
+        return bool(self.loss_nonfinite) or amp_optimizer in self.overflowed
+
     def resolve(self) -> bool:
-        """Decide once (one host sync), update the scaler, log a skip; True to skip the step."""
+        """Decide once (one host sync), update the scaler, log a skip; True when this backward
+        overflowed (the scaler's decision)."""
         if self.overflow is not None:
             return self.overflow
         device = self.loss.device
-        grads_bad = None
-        for flag in self.found_infs.values():
-            flag = flag.to(device)
-            grads_bad = flag if grads_bad is None else torch.maximum(grads_bad, flag)
-        if grads_bad is None:
-            grads_bad = torch.zeros(1, dtype=torch.float32, device=device)
+        keys = list(self.found_infs)
+        flags = [self.found_infs[key].to(device) for key in keys]
         if distributed_active():
-            # Every rank must reach the same decision: reduce the two flags, not the loss.
+            # Every rank must reach the same decisions: reduce the flags, not the loss.
             losses = torch.cat([l.to(device) for l in self.losses])
             loss_bad = torch.isfinite(losses).logical_not().any().to(torch.float32).reshape(1)
-            flags = torch.cat([grads_bad, loss_bad])
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
-            grads_flag, loss_flag = flags.tolist()
+            reduced = torch.cat(flags + [loss_bad])
+            dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=self.process_group)
+            *flag_values, loss_flag = reduced.tolist()
             self.loss_nonfinite = loss_flag != 0.0
         else:
-            # One small copy to the host carries the flag and the loss values.
-            grads_flag, *loss_values = torch.cat(
-                [grads_bad] + [l.to(device) for l in self.losses]).tolist()
+            # One small copy to the host carries the flags and the loss values.
+            values = torch.cat(flags + [l.to(device) for l in self.losses]).tolist()
+            flag_values, loss_values = values[:len(flags)], values[len(flags):]
             self.loss_nonfinite = not all(math.isfinite(v) for v in loss_values)
-        self.overflow = grads_flag != 0.0 or self.loss_nonfinite
+        self.overflowed = {key[0] for key, value in zip(keys, flag_values) if value != 0.0}
+        self.overflow = bool(self.overflowed) or self.loss_nonfinite
         self.flag_pool.give_back(self.found_infs.values())
         self.found_infs = {}
-        if self.overflow and not self.loss_nonfinite \
-                and any([check.resolve() for check in self.inherited]):
-            return self.overflow    # skipped, and already charged to the earlier loss's scaler
         old_scale = self.scaler.loss_scale
         self.scaler.update(self.overflow)
         message = skip_message(self.scaler, old_scale, self.loss_nonfinite) \
