@@ -259,9 +259,12 @@ class AmpOptimizer:
                  check: OverflowCheck) -> None:
         inv_scale = 1.0 / loss_scale
         accumulate = self.grad_state == UNSCALED
-        # When an earlier backward may have left inf/NaN in the gradients this one adds to, the
-        # accumulating kernel would flag them again: check the new gradients on their own, so
-        # that this loss's scaler backs off only for an overflow of its own backward.
+        # When an earlier backward of this step may have left inf/NaN in the gradients this one
+        # adds to, the accumulating kernel would flag them again: check the new gradients on
+        # their own, so that this loss's scaler backs off only for an overflow of its own
+        # backward; what the accumulation carries still makes this optimizer skip. (After a
+        # step() the earlier checks are gone: gradients left uncleared past a skipped step are
+        # charged to the next backward, as torch's GradScaler, which checks what it unscales.)
         history_clean = all(earlier.known_clean(self) for earlier in self.checks)
         for device, group in self.groups().items():
             found_inf = check.found_inf(self, device)
@@ -301,7 +304,8 @@ class AmpOptimizer:
                     fused_accumulate(acc_new, acc_into, inv_scale, found_inf)
                 else:
                     flag_nonfinite(acc_new, found_inf)
-                    fused_accumulate(acc_new, acc_into, inv_scale, group.scratch_flag())
+                    fused_accumulate(acc_new, acc_into, inv_scale,
+                                     check.carried_inf(self, device))
             for master, grad in restore:
                 master.grad = grad
 

@@ -13,6 +13,9 @@ GradScaler (which decides per optimizer) do:
 - per optimizer, whether it must skip: its own flags, or a non-finite loss. An optimizer whose
   parameters this backward left finite steps, even when another optimizer of the same
   ``scale_loss`` overflowed.
+When a backward adds to gradients that an earlier backward of the same step left non-finite, the
+accumulation re-flags them in a ``carried`` flag, which makes the optimizer skip (what it would
+apply is not finite) without charging this loss's scaler for another backward's overflow.
 """
 from __future__ import annotations
 
@@ -70,6 +73,7 @@ class OverflowCheck:
                        for l in list(delayed_losses) + [loss]]
         # (AmpOptimizer, device) -> flag. An AmpOptimizer hashes by identity.
         self.found_infs: Dict[Tuple[object, torch.device], torch.Tensor] = {}
+        self.carried_infs: Dict[Tuple[object, torch.device], torch.Tensor] = {}
         self.flag_pool = flag_pool if flag_pool is not None else FlagPool()
         self.process_group = process_group
         self.overflow: Optional[bool] = None          # the scaler's decision, once resolved
@@ -78,10 +82,18 @@ class OverflowCheck:
 
     def found_inf(self, amp_optimizer, device: torch.device) -> torch.Tensor:
         """The zeroed flag the kernels write for ``amp_optimizer``'s gradients on ``device``."""
+        return self._flag(self.found_infs, amp_optimizer, device)
+
+    def carried_inf(self, amp_optimizer, device: torch.device) -> torch.Tensor:
+        """The zeroed flag for non-finite values an earlier backward left in the gradients this
+        one adds to: it makes ``amp_optimizer`` skip, and is not this scaler's overflow."""
+        return self._flag(self.carried_infs, amp_optimizer, device)
+
+    def _flag(self, flags, amp_optimizer, device: torch.device) -> torch.Tensor:
         key = (amp_optimizer, device)
-        flag = self.found_infs.get(key)
+        flag = flags.get(key)
         if flag is None:
-            flag = self.found_infs[key] = self.flag_pool.take(device)
+            flag = flags[key] = self.flag_pool.take(device)
         return flag
 
     def known_clean(self, amp_optimizer) -> bool:
@@ -101,7 +113,9 @@ class OverflowCheck:
             return self.overflow
         device = self.loss.device
         keys = list(self.found_infs)
-        flags = [self.found_infs[key].to(device) for key in keys]
+        carried_keys = list(self.carried_infs)
+        flags = [self.found_infs[key].to(device) for key in keys] + \
+            [self.carried_infs[key].to(device) for key in carried_keys]
         if distributed_active():
             # Every rank must reach the same decisions: reduce the flags, not the loss.
             losses = torch.cat([l.to(device) for l in self.losses])
@@ -115,10 +129,13 @@ class OverflowCheck:
             values = torch.cat(flags + [l.to(device) for l in self.losses]).tolist()
             flag_values, loss_values = values[:len(flags)], values[len(flags):]
             self.loss_nonfinite = not all(math.isfinite(v) for v in loss_values)
-        self.overflowed = {key[0] for key, value in zip(keys, flag_values) if value != 0.0}
+        own, carried = flag_values[:len(keys)], flag_values[len(keys):]
+        self.overflowed = {key[0] for key, value in zip(keys, own) if value != 0.0}
         self.overflow = bool(self.overflowed) or self.loss_nonfinite
-        self.flag_pool.give_back(self.found_infs.values())
-        self.found_infs = {}
+        self.overflowed |= {key[0] for key, value in zip(carried_keys, carried) if value != 0.0}
+        self.flag_pool.give_back(list(self.found_infs.values()) +
+                                 list(self.carried_infs.values()))
+        self.found_infs, self.carried_infs = {}, {}
         old_scale = self.scaler.loss_scale
         self.scaler.update(self.overflow)
         message = skip_message(self.scaler, old_scale, self.loss_nonfinite) \
