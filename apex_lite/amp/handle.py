@@ -125,8 +125,13 @@ class _Run:
                 f"initializing (model.to(device); then model, optimizer = amp.initialize(model, "
                 f"optimizer, ...)), or build a fresh model and optimizer on the new device, load "
                 f"their state_dicts and call amp.initialize again.")
+        self.check_dtypes(caller)
+
+    def check_dtypes(self, caller: str, model_index: Optional[int] = None) -> None:
+        """Raise when a model's parameters changed dtype after ``initialize`` (all models, or
+        the one at ``model_index``); a few attribute reads."""
         for i, name, param, dtype in self.dtype_probes:
-            if param.dtype != dtype:
+            if param.dtype != dtype and (model_index is None or i == model_index):
                 label = f"model {i}" if len(self.models) > 1 else "the model"
                 raise RuntimeError(
                     f"{caller}: the dtype of {label} changed after amp.initialize: parameter "
@@ -445,6 +450,7 @@ class AmpHandle:
         elif props.cast_model_outputs is not None:
             casting.wrap_forward(model, output_dtype=props.cast_model_outputs)
         model.zero_grad = _ModelZeroGrad(model, run)
+        model.register_forward_pre_hook(_DtypeGuard(run, index))
         setattr(model, _MARK, props.opt_level)
 
     def _take_over_optimizer(self, run: _Run, opt: torch.optim.Optimizer) -> None:
@@ -718,6 +724,23 @@ class _BackwardWatch:
                 "would reach step() still multiplied by the loss scale. Call "
                 "scaled_loss.backward() inside the block.")
         self.ran = True
+
+
+class _DtypeGuard:
+    """A forward pre-hook: a model whose dtype changed after ``initialize`` is named before its
+    forward fails deep inside with torch's dtype mismatch (or trains on in the new dtype). The
+    run is not pickled with the model."""
+
+    def __init__(self, run, index: int):
+        self.run = run
+        self.index = index
+
+    def __call__(self, module, args) -> None:
+        if self.run is not None:
+            self.run.check_dtypes("forward", self.index)
+
+    def __getstate__(self):
+        return {"run": None, "index": self.index}
 
 
 class _ModelZeroGrad:

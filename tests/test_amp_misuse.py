@@ -1,0 +1,258 @@
+"""Misuse of the step path that would train silently wrong is refused, naming the fix, before
+anything changes (issue: "Misuse must never train silently wrong"). Each row: what the user did,
+at every opt level where it applies, on both backends (the suite runs once per backend)."""
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+import torch
+
+from apex_lite import amp
+
+LEVELS = ["O0", "O1", "O2", "O3"]
+SCALED_LEVELS = ["O1", "O2"]          # the levels with a dynamic loss scale
+
+
+def _setup(level, n_opts=1, **kwargs):
+    torch.manual_seed(0)
+    models = [torch.nn.Linear(4, 2) for _ in range(n_opts)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    models, opts = amp.initialize(models, opts, opt_level=level, verbosity=0, **kwargs)
+    return models, opts
+
+
+def _loss(models, x=None):
+    x = torch.ones(3, 4) if x is None else x
+    return sum(m(x).float().pow(2).sum() for m in models)
+
+
+def _snapshot(opts):
+    """Everything a refused call must leave as it was: masters, model params, scaler state."""
+    run = amp.default_handle()._run
+    params = [p.detach().clone() for m in run.models for p in m.parameters()]
+    masters = [p.detach().clone() for o in opts for p in amp.master_params(o)]
+    scalers = [(s.loss_scale, s.steps, s.skipped_steps, s.unskipped)
+               for s in amp.loss_scalers()]
+    return params, masters, scalers
+
+
+def _assert_unchanged(before, opts):
+    after = _snapshot(opts)
+    for b, a in zip(before[0] + before[1], after[0] + after[1]):
+        assert torch.equal(b, a)
+    assert before[2] == after[2]
+
+
+# ---- 1: step() inside the block ------------------------------------------------------------------
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_step_inside_the_block_is_refused(level):
+    models, opts = _setup(level)
+    before = _snapshot(opts)
+    with pytest.raises(RuntimeError, match=r"inside its `with amp.scale_loss\(...\)` block"):
+        with amp.scale_loss(_loss(models), opts[0]) as scaled:
+            scaled.backward()
+            opts[0].step()
+    _assert_unchanged(before, opts)
+
+
+# ---- 2: backward after the block exited ----------------------------------------------------------
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_backward_after_the_block_is_refused(level):
+    models, opts = _setup(level)
+    before = _snapshot(opts)
+    with amp.scale_loss(_loss(models), opts[0]) as scaled:
+        pass
+    with pytest.raises(RuntimeError, match="after its `with amp.scale_loss"):
+        scaled.backward()
+    assert all(p.grad is None for m in models for p in m.parameters())
+    _assert_unchanged(before, opts)
+
+
+# ---- 3: no optimizers ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("optimizers", [[], ()])
+def test_scale_loss_without_optimizers_is_refused(level, optimizers):
+    models, opts = _setup(level)
+    with pytest.raises(ValueError, match="got no optimizers"):
+        with amp.scale_loss(_loss(models), optimizers):
+            pass
+
+
+# ---- 4: a second optimizer fed by a scale_loss it was not given ----------------------------------
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_optimizer_fed_by_another_scale_loss_is_refused(level):
+    models, opts = _setup(level, n_opts=2)
+    for o in opts:
+        o.zero_grad()
+    with amp.scale_loss(_loss(models), opts[0]) as scaled:   # reaches both models
+        scaled.backward()
+    opts[0].step()
+    before = _snapshot(opts)
+    with pytest.raises(RuntimeError, match=r"optimizer 1 \(SGD\).*no amp.scale_loss for this "
+                                           r"optimizer unscaled"):
+        opts[1].step()
+    _assert_unchanged(before, opts)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_zeroed_gradients_of_an_unused_optimizer_step_as_in_torch(level):
+    """zero_grad(set_to_none=False) leaves zeros, which are not a misuse: a no-op step."""
+    models, opts = _setup(level, n_opts=2)
+    for o in opts:
+        o.zero_grad(set_to_none=False)
+    with amp.scale_loss(_loss(models[:1]), opts[0]) as scaled:
+        scaled.backward()
+    opts[0].step()
+    opts[1].step()
+
+
+# ---- 5: a backward outside scale_loss ------------------------------------------------------------
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_backward_outside_scale_loss_is_refused(level):
+    models, opts = _setup(level)
+    opts[0].zero_grad()
+    _loss(models).backward()
+    before = _snapshot(opts)
+    with pytest.raises(RuntimeError, match="outside\\s+amp.scale_loss"):
+        opts[0].step()
+    _assert_unchanged(before, opts)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_backward_outside_scale_loss_after_a_step_is_refused(level):
+    models, opts = _setup(level)
+    with amp.scale_loss(_loss(models), opts[0]) as scaled:
+        scaled.backward()
+    opts[0].step()
+    for p in models[0].parameters():
+        p.grad = None
+    _loss(models).backward()
+    with pytest.raises(RuntimeError, match="outside amp.scale_loss"):
+        opts[0].step()
+
+
+# ---- 7: one parameter in two optimizers ----------------------------------------------------------
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_parameter_in_two_optimizers_is_refused_at_initialize(level):
+    model = torch.nn.Linear(4, 2)
+    o0 = torch.optim.SGD(model.parameters(), lr=0.1)
+    o1 = torch.optim.SGD([model.weight], lr=0.1)
+    with pytest.raises(ValueError, match=r"'weight' is in optimizer 0 and in optimizer 1"):
+        amp.initialize(model, [o0, o1], opt_level=level, verbosity=0)
+    assert model.weight.dtype == torch.float32 and not hasattr(o0, "_apex_lite_amp")
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_add_param_group_of_another_optimizers_parameter_is_refused(level):
+    models, opts = _setup(level, n_opts=2)
+    with pytest.raises(ValueError, match=r"already updated by optimizer 0"):
+        opts[1].add_param_group({"params": [models[0].weight]})
+    assert len(opts[1].param_groups) == 1
+
+
+# ---- 12: the model's dtype changed after initialize ----------------------------------------------
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("cast", ["half", "bfloat16", "double", "float"])
+def test_dtype_change_after_initialize_is_refused(level, cast):
+    models, opts = _setup(level)
+    dtypes = {p.dtype for p in models[0].parameters()}
+    getattr(models[0], cast)()
+    if {p.dtype for p in models[0].parameters()} == dtypes:
+        pytest.skip(f"{cast}() changes nothing at {level}")
+    with pytest.raises(RuntimeError, match="dtype of the model changed after amp.initialize"):
+        with amp.scale_loss(_loss(models, torch.ones(3, 4).to(models[0].weight.dtype)),
+                            opts[0]) as scaled:
+            scaled.backward()
+
+
+# ---- 13: scaled_loss.backward without () ---------------------------------------------------------
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_block_without_backward_then_step_is_refused(level):
+    models, opts = _setup(level)
+    before = _snapshot(opts)
+    with amp.scale_loss(_loss(models), opts[0]) as scaled:
+        scaled.backward                                  # noqa: B018  (the slip itself)
+    with pytest.raises(RuntimeError, match="ran no backward through scaled_loss"):
+        opts[0].step()
+    _assert_unchanged(before, opts)
+    # A block that ran no backward and no step is fine: the next iteration goes on.
+    opts[0].zero_grad()
+    with amp.scale_loss(_loss(models), opts[0]) as scaled:
+        scaled.backward()
+    opts[0].step()
+
+
+# ---- 14: skips with the scale at its floor warn --------------------------------------------------
+
+def test_skips_at_the_floor_warn_and_the_rate_warning_comes(caplog):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", min_loss_scale=2.0 ** 14,
+                                overflow_patience=None)
+    with caplog.at_level(logging.INFO, logger="apex_lite.amp"):
+        for _ in range(150):
+            opt.zero_grad()
+            with amp.scale_loss(model(torch.ones(2, 4)).float().sum(), opt) as scaled:
+                scaled.backward()
+                model.weight.grad.fill_(float("nan"))
+            opt.step()
+    assert amp.loss_scalers()[0].skipped_steps == 150
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert sum("at its floor" in w for w in warnings) == 1
+    assert any("of the last 100 steps were skipped" in w for w in warnings)
+
+
+# ---- 16: two threads on the module-level amp -----------------------------------------------------
+
+def test_a_second_initialize_elsewhere_points_to_one_handle_per_thread():
+    models, opts = _setup("O1")
+    errors = []
+
+    def other_thread():
+        _setup("O1")
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    thread.join()
+    try:
+        with amp.scale_loss(_loss(models), opts[0]) as scaled:
+            scaled.backward()
+    except RuntimeError as exc:
+        errors.append(str(exc))
+    assert errors and "amp.AmpHandle()" in errors[0]
+    assert "thread" in errors[0]
+
+
+def test_one_handle_per_thread_trains_independently():
+    results = {}
+
+    def train(name):
+        handle = amp.AmpHandle()
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = handle.initialize(model, opt, opt_level="O1", verbosity=0)
+        for _ in range(5):
+            opt.zero_grad()
+            with handle.scale_loss(model(torch.ones(3, 4)).float().pow(2).sum(), opt) as scaled:
+                scaled.backward()
+            opt.step()
+        results[name] = model.weight.detach().clone()
+
+    threads = [threading.Thread(target=train, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert torch.equal(results[0], results[1])
