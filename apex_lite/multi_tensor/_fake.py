@@ -42,6 +42,10 @@ def _nonfinite_flags(tensors: List[torch.Tensor]) -> torch.Tensor:
     return torch.empty(len(tensors), dtype=torch.bool, device=device)
 
 
+def _fused_step(*args) -> None:
+    return None
+
+
 def register() -> None:
     """Registers the fake kernels once (after the ops themselves are loaded)."""
     global _registered
@@ -49,6 +53,7 @@ def register() -> None:
         return
     for name, fn in (("scale_", _scale_), ("scale_out", _scale_out), ("axpby_", _axpby_),
                      ("axpby_out", _axpby_out), ("l2norm", _l2norm),
-                     ("nonfinite_flags", _nonfinite_flags)):
+                     ("nonfinite_flags", _nonfinite_flags), ("fused_sgd_", _fused_step),
+                     ("fused_adam_", _fused_step), ("fused_lamb_", _fused_step)):
         torch.library.register_fake(f"apex_lite::{name}", fn)
     _registered = True

@@ -17,7 +17,8 @@ from ._backend import _env_flag
 
 logger = logging.getLogger("apex_lite.multi_tensor")
 
-OP_NAMES = ("scale_", "scale_out", "axpby_", "axpby_out", "l2norm", "nonfinite_flags")
+OP_NAMES = ("scale_", "scale_out", "axpby_", "axpby_out", "l2norm", "nonfinite_flags",
+            "fused_sgd_", "fused_adam_", "fused_lamb_")
 _DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
 
 # (loaded, why): the outcome of the one attempt to load the library.

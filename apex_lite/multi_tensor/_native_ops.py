@@ -6,6 +6,8 @@ Two sets, one per staging policy for non-contiguous tensors:
 - ``STAGED_OPS`` (CUDA) check contiguity in Python and stage non-contiguous tensors through
   contiguous copies here, copying outputs back, because the CUDA kernels may require contiguous
   tensors. The check is the only per-tensor Python work on their common path.
+The fused optimizer ops stage the same way: a list the op reads and writes (parameters, state)
+through contiguous copies, a list it only writes (model parameters) through fresh buffers.
 Imported only after ``apex_lite._C`` is loaded.
 """
 from __future__ import annotations
@@ -24,9 +26,14 @@ _axpby_ = torch.ops.apex_lite.axpby_.default
 _axpby_out = torch.ops.apex_lite.axpby_out.default
 _l2norm = torch.ops.apex_lite.l2norm.default
 _nonfinite_flags = torch.ops.apex_lite.nonfinite_flags.default
+_fused_sgd_ = torch.ops.apex_lite.fused_sgd_.default
+_fused_adam_ = torch.ops.apex_lite.fused_adam_.default
+_fused_lamb_ = torch.ops.apex_lite.fused_lamb_.default
 
 CPU_OPS = SimpleNamespace(scale_=_scale_, scale_out=_scale_out, axpby_=_axpby_,
-                          axpby_out=_axpby_out, l2norm=_l2norm, nonfinite_flags=_nonfinite_flags)
+                          axpby_out=_axpby_out, l2norm=_l2norm, nonfinite_flags=_nonfinite_flags,
+                          fused_sgd_=_fused_sgd_, fused_adam_=_fused_adam_,
+                          fused_lamb_=_fused_lamb_)
 
 
 def _contiguous(tensors: Tensors) -> bool:
@@ -105,5 +112,45 @@ def nonfinite_flags(tensors: Tensors) -> torch.Tensor:
     return _nonfinite_flags(tensors)
 
 
+def fused_sgd_(params: Tensors, grads: Tensors, momentum_buffers: Tensors, model_params: Tensors,
+               *rest) -> None:
+    """SGD step; see csrc/ops.cpp."""
+    if _contiguous(params) and _contiguous(grads) and _contiguous(momentum_buffers) \
+            and _contiguous(model_params):
+        _fused_sgd_(params, grads, momentum_buffers, model_params, *rest)
+        return
+    staged_params = _read_copies(params)
+    staged_buffers = _read_copies(momentum_buffers)
+    staged_models = _write_buffers(model_params)
+    _fused_sgd_(staged_params, _read_copies(grads), staged_buffers, staged_models, *rest)
+    for targets, buffers in ((params, staged_params), (momentum_buffers, staged_buffers),
+                             (model_params, staged_models)):
+        _copy_back(targets, buffers)
+
+
+def _adam_like(op):
+    def step(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors,
+             model_params: Tensors, steps: Tensors, *rest) -> None:
+        lists = (params, grads, exp_avgs, exp_avg_sqs, model_params)
+        if all(_contiguous(tensors) for tensors in lists):
+            op(params, grads, exp_avgs, exp_avg_sqs, model_params, steps, *rest)
+            return
+        staged = [_read_copies(params), _read_copies(grads), _read_copies(exp_avgs),
+                  _read_copies(exp_avg_sqs), _write_buffers(model_params)]
+        op(*staged, steps, *rest)
+        for targets, buffers in zip((params, exp_avgs, exp_avg_sqs, model_params),
+                                    (staged[0], staged[2], staged[3], staged[4])):
+            _copy_back(targets, buffers)
+    return step
+
+
+fused_adam_ = _adam_like(_fused_adam_)
+fused_adam_.__doc__ = "Adam step; see csrc/ops.cpp."
+fused_lamb_ = _adam_like(_fused_lamb_)
+fused_lamb_.__doc__ = "LAMB step; see csrc/ops.cpp."
+
+
 STAGED_OPS = SimpleNamespace(scale_=scale_, scale_out=scale_out, axpby_=axpby_,
-                             axpby_out=axpby_out, l2norm=l2norm, nonfinite_flags=nonfinite_flags)
+                             axpby_out=axpby_out, l2norm=l2norm, nonfinite_flags=nonfinite_flags,
+                             fused_sgd_=fused_sgd_, fused_adam_=fused_adam_,
+                             fused_lamb_=fused_lamb_)

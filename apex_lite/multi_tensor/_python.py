@@ -102,3 +102,171 @@ def nonfinite_flags(tensors: Tensors) -> torch.Tensor:
         index = torch.tensor(filled, device=flags.device)
         flags[index] = ~torch.isfinite(torch.stack([n.float() for n in norms]))
     return flags
+
+
+# ---- the fused optimizer steps (apex_lite.optimizers) ----------------------------------------
+#
+# The reference for csrc/cpu/fused_{sgd,adam,lamb}.cpp and csrc/cuda/fused_{sgd,adam,lamb}.cu.
+# Per element, in fp32, each line one rounding (no fused multiply-add; a product by a scalar is
+# rounded before it is added), hyper-parameters converted from double to fp32 once:
+#
+#   g = float(grad) * inv_scale
+# SGD:
+#   if weight_decay != 0 and not wd_after_momentum:  g = g + weight_decay * p
+#   if momentum != 0:
+#       buf = g                                          (first_run)
+#       buf = momentum * buf + (1 - dampening) * g       (otherwise; 1 - dampening in double)
+#       g = g + momentum * buf  (nesterov)  or  g = buf
+#   if weight_decay != 0 and wd_after_momentum:      g = g + weight_decay * p
+#   p = p - lr * g
+# Adam (bias corrections bc1 = 1 - beta1**step, bc2 = 1 - beta2**step in double, then fp32;
+# 1 without bias_correction; step is the count after this step's increment):
+#   if weight_decay != 0 and not adam_w_mode:  g = g + weight_decay * p
+#   m = beta1 * m + (1 - beta1) * g
+#   v = beta2 * v + ((1 - beta2) * g) * g
+#   update = (m / bc1) / (sqrt(v / bc2) + eps)
+#   if weight_decay != 0 and adam_w_mode:      update = update + weight_decay * p
+#   p = p - lr * update
+# LAMB (apex's): first g = g / clip, where clip = grad_norm / max_grad_norm when max_grad_norm > 0
+# and grad_norm > max_grad_norm, else 1; then as Adam, with m = beta1 * m + beta3 * g where
+# beta3 = 1 - beta1 with grad_averaging, else 1; and the last line per tensor:
+#   ratio = lr * (||p|| / ||update||) when (use_nvlamb or weight_decay != 0) and both norms are
+#           not 0 (fp32 norms of the fp32 values), else lr
+#   p = p - ratio * update
+# Then params[i] = round(p), model_params[i] = round(p) (round: to each tensor's dtype, to
+# nearest even) and steps[i] += 1. When found_inf is not 0 nothing is written.
+#
+# This backend reads found_inf and the step counts on the host (free on the CPU, a sync on CUDA,
+# where the native kernels read them on the device).
+
+
+def _skips(found_inf: torch.Tensor) -> bool:
+    return float(found_inf) != 0.0
+
+
+def _true_grads(grads: Tensors, inv_scale: torch.Tensor) -> List[torch.Tensor]:
+    """fp32 ``float(grad) * inv_scale`` for each gradient (new tensors)."""
+    out = _as_fp32(grads)
+    torch._foreach_mul_(out, inv_scale.reshape(()))
+    return out
+
+
+def _fp32_params(params: Tensors) -> List[torch.Tensor]:
+    """The fp32 parameters themselves, or fp32 copies of half ones (written back by _finish)."""
+    return [p if p.dtype == torch.float32 else p.float() for p in params]
+
+
+def _finish(params: Tensors, p32: List[torch.Tensor], model_params: Tensors) -> None:
+    """Round the updated fp32 values once into half parameters and into the model's."""
+    half = [i for i, p in enumerate(params) if p.dtype != torch.float32]
+    if half:
+        torch._foreach_copy_([params[i] for i in half], [p32[i] for i in half])
+    if model_params:
+        torch._foreach_copy_(list(model_params), p32)
+
+
+def _plus_scaled(xs: List[torch.Tensor], c: float, ys: List[torch.Tensor]) -> List[torch.Tensor]:
+    """New tensors ``x + c * y``: the product rounded, then the sum."""
+    return torch._foreach_add(xs, torch._foreach_mul(ys, c))
+
+
+def fused_sgd_(params: Tensors, grads: Tensors, momentum_buffers: Tensors, model_params: Tensors,
+               inv_scale: torch.Tensor, found_inf: torch.Tensor, lr: float, momentum: float,
+               dampening: float, weight_decay: float, nesterov: bool, wd_after_momentum: bool,
+               first_run: bool) -> None:
+    if not params or _skips(found_inf):
+        return
+    g = _true_grads(grads, inv_scale)
+    p = _fp32_params(params)
+    if weight_decay != 0.0 and not wd_after_momentum:
+        g = _plus_scaled(g, weight_decay, p)
+    if momentum != 0.0:
+        bufs = list(momentum_buffers)
+        if first_run:
+            torch._foreach_copy_(bufs, g)
+        else:
+            torch._foreach_mul_(bufs, momentum)
+            torch._foreach_add_(bufs, torch._foreach_mul(g, 1.0 - dampening))
+        g = _plus_scaled(g, momentum, bufs) if nesterov else bufs
+    if weight_decay != 0.0 and wd_after_momentum:
+        g = _plus_scaled(g, weight_decay, p)
+    torch._foreach_sub_(p, torch._foreach_mul(g, lr))
+    _finish(params, p, model_params)
+
+
+def _bias_corrections(steps: Tensors, beta1: float, beta2: float, bias_correction: bool
+                      ) -> Tuple[List[float], List[float]]:
+    """(bc1, bc2) per tensor for the step each is about to take, computed in double."""
+    if not bias_correction:
+        return [1.0] * len(steps), [1.0] * len(steps)
+    counts = [float(s) + 1.0 for s in steps]
+    return [1.0 - beta1 ** c for c in counts], [1.0 - beta2 ** c for c in counts]
+
+
+def _adam_updates(g: List[torch.Tensor], p: List[torch.Tensor], exp_avgs: Tensors,
+                  exp_avg_sqs: Tensors, steps: Tensors, beta1: float, beta2: float, beta3: float,
+                  eps: float, weight_decay: float, adam_w_mode: bool, bias_correction: bool
+                  ) -> List[torch.Tensor]:
+    """Update the moments in place; return the Adam directions (new fp32 tensors)."""
+    if weight_decay != 0.0 and not adam_w_mode:
+        g = _plus_scaled(g, weight_decay, p)
+    m, v = list(exp_avgs), list(exp_avg_sqs)
+    torch._foreach_mul_(m, beta1)
+    torch._foreach_add_(m, torch._foreach_mul(g, beta3))
+    torch._foreach_mul_(v, beta2)
+    torch._foreach_add_(v, torch._foreach_mul(torch._foreach_mul(g, 1.0 - beta2), g))
+    bc1, bc2 = _bias_corrections(steps, beta1, beta2, bias_correction)
+    denom = torch._foreach_sqrt(torch._foreach_div(v, bc2))
+    torch._foreach_add_(denom, eps)
+    update = torch._foreach_div(m, bc1)
+    torch._foreach_div_(update, denom)
+    if weight_decay != 0.0 and adam_w_mode:
+        update = _plus_scaled(update, weight_decay, p)
+    return update
+
+
+def fused_adam_(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors,
+                model_params: Tensors, steps: Tensors, inv_scale: torch.Tensor,
+                found_inf: torch.Tensor, lr: float, beta1: float, beta2: float, eps: float,
+                weight_decay: float, adam_w_mode: bool, bias_correction: bool) -> None:
+    if not params or _skips(found_inf):
+        return
+    p = _fp32_params(params)
+    update = _adam_updates(_true_grads(grads, inv_scale), p, exp_avgs, exp_avg_sqs, steps, beta1,
+                           beta2, 1.0 - beta1, eps, weight_decay, adam_w_mode, bias_correction)
+    torch._foreach_sub_(p, torch._foreach_mul(update, lr))
+    torch._foreach_add_(list(steps), 1.0)
+    _finish(params, p, model_params)
+
+
+def fused_lamb_(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors,
+                model_params: Tensors, steps: Tensors, inv_scale: torch.Tensor,
+                found_inf: torch.Tensor, grad_norm: torch.Tensor, lr: float, beta1: float,
+                beta2: float, eps: float, weight_decay: float, adam_w_mode: bool,
+                bias_correction: bool, grad_averaging: bool, max_grad_norm: float,
+                use_nvlamb: bool) -> None:
+    if not params or _skips(found_inf):
+        return
+    g = _true_grads(grads, inv_scale)
+    if max_grad_norm > 0.0:
+        norm = grad_norm.reshape(1).to(torch.float32)
+        limit = torch.full_like(norm, max_grad_norm)
+        clip = torch.where(norm > limit, norm / limit, torch.ones_like(norm))
+        torch._foreach_div_(g, clip.reshape(()))
+    p = _fp32_params(params)
+    beta3 = 1.0 - beta1 if grad_averaging else 1.0
+    update = _adam_updates(g, p, exp_avgs, exp_avg_sqs, steps, beta1, beta2, beta3, eps,
+                           weight_decay, adam_w_mode, bias_correction)
+    if use_nvlamb or weight_decay != 0.0:
+        p_norms = torch._foreach_norm(p, 2)
+        u_norms = torch._foreach_norm(update, 2)
+        lr32 = torch.tensor(lr, dtype=torch.float32, device=found_inf.device)
+        for u, pn, un in zip(update, p_norms, u_norms):
+            trusted = (pn != 0) & (un != 0)
+            ratio = torch.where(trusted, lr32 * (pn / torch.where(trusted, un, 1.0)), lr32)
+            u.mul_(ratio)
+    else:
+        torch._foreach_mul_(update, lr)
+    torch._foreach_sub_(p, update)
+    torch._foreach_add_(list(steps), 1.0)
+    _finish(params, p, model_params)
