@@ -24,6 +24,7 @@ step kernel reads; the host learns of the decisions later (``LossScaler.sync``).
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
@@ -176,8 +177,11 @@ class OverflowCheck:
         loss_bad = flags[-1:]
         own = flags[:len(keys)]
         for amp_opt in self.optimizers:
-            rows = [i for i, key in enumerate(keys + carried_keys) if key[0] is amp_opt]
-            self.skip_flags[amp_opt] = flags[rows + [len(flags) - 1]].amax().reshape(1)
+            # Views and elementwise maxima only (indexing with a host list would copy it to
+            # the device, a sync).
+            rows = [flags[i:i + 1] for i, key in enumerate(keys + carried_keys)
+                    if key[0] is amp_opt]
+            self.skip_flags[amp_opt] = functools.reduce(torch.maximum, rows, loss_bad)
         overflow = torch.cat([own, loss_bad]).amax().reshape(1)
         self.flag_pool.give_back(list(self.found_infs.values()) +
                                  list(self.carried_infs.values()))
