@@ -427,6 +427,7 @@ class AmpOptimizer:
         for check in checks:
             skip = check.skips(self) or skip
         if skip:
+            self.path.forget()   # a clip coefficient of this step goes with it
             return None
         return self.path.apply(self, None)
 
