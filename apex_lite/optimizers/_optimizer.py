@@ -51,8 +51,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         if not value >= 0.0:
             raise ValueError(f"{_INVALID.get(name, 'Invalid ' + name + ' value')}: {value}")
 
-    @staticmethod
-    def _check_betas(betas) -> None:
+    @classmethod
+    def _check_adam_hyper(cls, lr, betas, eps, weight_decay) -> None:
+        """torch.optim.Adam's checks of lr, betas, eps and weight_decay."""
+        cls._check_number("lr", lr)
+        cls._check_number("eps", eps)
         if len(betas) != 2:
             raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
         for index, beta in enumerate(betas):
@@ -61,6 +64,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                                 f"{type(beta).__name__}")
             if not 0.0 <= beta < 1.0:
                 raise ValueError(f"Invalid beta parameter at index {index}: {beta}")
+        cls._check_number("weight_decay", weight_decay)
 
     def add_param_group(self, param_group: dict) -> None:
         name = type(self).__name__

@@ -98,10 +98,7 @@ class FusedAdam(FusedOptimizer):
                                "amp.initialize(model, optimizer, opt_level='O2') with this "
                                "optimizer (the fused step updates the masters and writes the "
                                "half parameters in one pass), or keep the parameters fp32.")
-        self._check_number("lr", lr)
-        self._check_number("eps", eps)
-        self._check_betas(betas)
-        self._check_number("weight_decay", weight_decay)
+        self._check_adam_hyper(lr, betas, eps, weight_decay)
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
                         weight_decay=weight_decay, adam_w_mode=adam_w_mode)
         super().__init__(params, defaults, set_grad_none)

@@ -27,31 +27,26 @@ import torch
 
 from ..multi_tensor._backend import ops_for
 from ._optimizer import FusedOptimizer, Scalars
+from .fused_adam import AdamHyper
 from .update import FusedUpdate, moment_lists
 
 __all__ = ["FusedLAMB", "LambHyper", "LambUpdate", "global_grad_norm"]
 
 
-class LambHyper(NamedTuple):
-    """LAMB's hyper-parameters, in the order ``fused_lamb_`` takes them (after grad_norm)."""
-    lr: float
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-    adam_w_mode: bool
-    bias_correction: bool
-    grad_averaging: bool
-    max_grad_norm: float
-    use_nvlamb: bool
+_LambFields = NamedTuple("_LambFields", [
+    *AdamHyper.__annotations__.items(),
+    ("grad_averaging", bool), ("max_grad_norm", float), ("use_nvlamb", bool)])
+
+
+class LambHyper(_LambFields):
+    """LAMB's hyper-parameters, in the order ``fused_lamb_`` takes them (after grad_norm):
+    Adam's, then ``grad_averaging``, ``max_grad_norm``, ``use_nvlamb``."""
+    __slots__ = ()
 
     @classmethod
     def from_group(cls, group: dict) -> "LambHyper":
         """From a param group of FusedLAMB."""
-        beta1, beta2 = group["betas"]
-        return cls(float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
-                   float(group["weight_decay"]), bool(group["adam_w_mode"]),
-                   bool(group["bias_correction"]), bool(group["grad_averaging"]),
+        return cls(*AdamHyper.from_group(group), bool(group["grad_averaging"]),
                    float(group["max_grad_norm"]), bool(group["use_nvlamb"]))
 
 
@@ -139,10 +134,7 @@ class FusedLAMB(FusedOptimizer):
             raise RuntimeError("FusedLAMB does not support the AMSGrad variant; use "
                                "FusedLAMB(amsgrad=False), or torch.optim.Adam(amsgrad=True) "
                                "if AMSGrad is what you need.")
-        self._check_number("lr", lr)
-        self._check_number("eps", eps)
-        self._check_betas(betas)
-        self._check_number("weight_decay", weight_decay)
+        self._check_adam_hyper(lr, betas, eps, weight_decay)
         self._check_number("max_grad_norm", max_grad_norm)
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
                         weight_decay=weight_decay, grad_averaging=grad_averaging,

@@ -9,21 +9,24 @@ before it. The momentum buffer is ``state[p]["momentum_buffer"]``, fp32 whatever
 dtype, created at a parameter's first step as torch creates it (set to that step's gradient);
 there is none while ``momentum`` is 0.
 
-A first step must leave nothing behind when ``found_inf`` is set. With ``dampening == 0`` a zeroed
-buffer updated by ``momentum * 0 + g`` is exactly torch's first buffer, so new buffers are zeroed
-and stepped with the others (one op call, nothing read on the host). With ``dampening != 0`` the
-first update differs, so a step that creates buffers reads ``found_inf`` on the host once (a sync
-on CUDA, at that step only) and creates them only when it is not set.
+A skipped step must leave nothing behind, and whether a step is skipped (``found_inf``) may be
+known only on the device. New buffers are created zero before the op runs. With
+``dampening == 0`` a zero buffer updated by ``momentum * 0 + g`` is exactly torch's first buffer,
+so they are stepped with the others: one op call, nothing read on the host, and a skipped first
+step leaves zeros that the next step fills the same way. With ``dampening != 0`` the first update
+(``buf = g``) differs from the later ones, so new buffers take a ``first_run`` call of their own;
+the step's ``found_inf`` is kept (a device copy) and read on the host at those parameters' next
+step, when it is long computed: if that first step was skipped, the next is a first step again.
 """
 from __future__ import annotations
 
-from typing import List, NamedTuple
+from typing import Dict, List, NamedTuple
 
 import torch
 from torch.optim.optimizer import required
 
 from ._optimizer import FusedOptimizer
-from .update import FusedUpdate, _is_unit_found_inf, fp32_like, zeros32
+from .update import FusedUpdate, _is_unit_found_inf, fp32_like, state_entry, zeros32
 
 __all__ = ["FusedSGD", "SGDHyper", "SGDUpdate"]
 
@@ -46,63 +49,78 @@ class SGDHyper(NamedTuple):
 
 
 class SGDUpdate(FusedUpdate):
-    """One ``fused_sgd_`` call for one param group on one device."""
+    """One ``fused_sgd_`` call for one param group on one device (two while new momentum
+    buffers with dampening take their first step)."""
 
     kind = "sgd"
+
+    def __init__(self, *args, **kwargs):
+        # id(param) -> a copy of the found_inf of the step that gave its buffer its first
+        # (dampened) update, until read: if that step was skipped, the buffer is still zero.
+        self._first_step_flags: Dict[int, torch.Tensor] = {}
+        super().__init__(*args, **kwargs)
+
+    def _new_state(self) -> None:
+        self._first_step_flags.clear()
 
     def _flavour(self, hyper: SGDHyper) -> object:
         return hyper.momentum != 0.0
 
     def _state_lists(self, params: List[torch.Tensor], state, hyper: SGDHyper) -> tuple:
-        """``(buffers, fresh)``: the momentum buffers (None where one is still to be created at
-        a first step with dampening) and the indices of those."""
+        """``(buffers, created)``: the momentum buffers (fp32, new ones zero) and the indices of
+        those this build created."""
         if hyper.momentum == 0.0:
             return [], []
-        buffers, fresh = [], []
+        buffers, created = [], []
         for i, p in enumerate(params):
-            entry = state.get(p)
-            buf = None if entry is None else entry.get("momentum_buffer")
+            entry = state_entry(state, p)
+            buf = entry.get("momentum_buffer")
             if buf is None:
-                if hyper.dampening != 0.0:
-                    fresh.append(i)
-                    buffers.append(None)
-                    continue
                 buf = zeros32(p)
+                created.append(i)
             else:
                 buf = fp32_like(buf, p, "momentum_buffer", self.label)
-            if entry is None:
-                entry = state[p] = {}
             entry["momentum_buffer"] = buf
             buffers.append(buf)
-        return buffers, fresh
+        return buffers, created
 
     def _launch(self, ops, plan, state, grads, inv_scale, found_inf, hyper: SGDHyper) -> None:
-        buffers, fresh = plan.lists
-        if not fresh:
+        buffers, created = plan.lists
+        first = []
+        if hyper.dampening != 0.0 and (created or self._first_step_flags):
+            first = self._first_steps(plan.params, created)
+        created.clear()      # stepped now: not new at the next call of this plan
+        if not first:
             ops.fused_sgd_(plan.params, grads, buffers, plan.model_params, inv_scale, found_inf,
                            *hyper, False)
             return
-        self._first_run(ops, plan, state, grads, inv_scale, found_inf, hyper)
+        if not _is_unit_found_inf(found_inf, self.device):
+            flag = found_inf.clone()
+            for i in first:
+                self._first_step_flags[id(plan.params[i])] = flag
+        chosen = set(first)
+        rest = [i for i in range(len(plan.params)) if i not in chosen]
+        for indices, first_run in ((first, True), (rest, False)):
+            if indices:
+                ops.fused_sgd_(*(_pick(tensors, indices) for tensors in (
+                    plan.params, grads, buffers, plan.model_params)),
+                    inv_scale, found_inf, *hyper, first_run)
 
-    def _first_run(self, ops, plan, state, grads, inv_scale, found_inf, hyper: SGDHyper) -> None:
-        """A step that creates momentum buffers with ``dampening != 0``: the new buffers take the
-        gradient (torch's first step), the others the usual update."""
-        self.invalidate()    # the next step sees the buffers made here
-        if not _is_unit_found_inf(found_inf, self.device) and float(found_inf) != 0.0:
-            return           # a skipped step creates no state
-        buffers, fresh = plan.lists
-        for i in fresh:
-            p = plan.params[i]
-            buffers[i] = state.setdefault(p, {})["momentum_buffer"] = zeros32(p)
-        new = set(fresh)
-        old = [i for i in range(len(plan.params)) if i not in new]
-        for indices, first_run in ((fresh, True), (old, False)):
-            if not indices:
-                continue
-            pick = lambda tensors: [tensors[i] for i in indices]  # noqa: E731
-            models = pick(plan.model_params) if plan.model_params else []
-            ops.fused_sgd_(pick(plan.params), pick(grads), pick(buffers), models, inv_scale,
-                           found_inf, *hyper, first_run)
+    def _first_steps(self, params: List[torch.Tensor], created: List[int]) -> List[int]:
+        """Indices of the parameters whose buffer takes its first update now: those created by
+        this build, and those whose earlier first step turns out skipped (host reads of the
+        kept flags, one step late)."""
+        first = set(created)
+        if self._first_step_flags:
+            for i, p in enumerate(params):
+                flag = self._first_step_flags.pop(id(p), None)
+                if flag is not None and float(flag) != 0.0:
+                    first.add(i)
+        return sorted(first)
+
+
+def _pick(tensors: List[torch.Tensor], indices: List[int]) -> List[torch.Tensor]:
+    return [tensors[i] for i in indices] if tensors else []
 
 
 class FusedSGD(FusedOptimizer):

@@ -156,6 +156,8 @@ class FusedUpdate:
         # address cannot pass for it.
         if plan is None or state is not self._plan_state or \
                 (mask, len(state), self._flavour(hyper)) != self._plan_key:
+            if state is not self._plan_state:
+                self._new_state()
             plan = self._plan = self._build(state, grads, mask, hyper)
             self._plan_state = state
             # Taken after the build, whose own new state entries must not invalidate it.
@@ -193,6 +195,10 @@ class FusedUpdate:
                     f"torch.optim.{dense_optimizer} in an optimizer of its own.") from cause
 
     # ---- what each optimizer defines ----------------------------------------------------------
+
+    def _new_state(self) -> None:
+        """Called when the lists are first built for a state dict (or after ``invalidate()``):
+        forget what was known of the previous one."""
 
     def _flavour(self, hyper) -> object:
         """What of the hyper-parameters decides which state lists exist (SGD: momentum or not)."""
