@@ -26,7 +26,7 @@ import torch
 from torch.optim.optimizer import required
 
 from ._optimizer import FusedOptimizer
-from .update import FusedUpdate, _is_unit_found_inf, fp32_like, state_entry, zeros32
+from .update import FusedUpdate, is_unit_found_inf, fp32_like, state_entry, zeros32
 
 __all__ = ["FusedSGD", "SGDHyper", "SGDUpdate"]
 
@@ -94,7 +94,7 @@ class SGDUpdate(FusedUpdate):
             ops.fused_sgd_(plan.params, grads, buffers, plan.model_params, inv_scale, found_inf,
                            *hyper, False)
             return
-        if not _is_unit_found_inf(found_inf, self.device):
+        if not is_unit_found_inf(found_inf, self.device):
             flag = found_inf.clone()
             for i in first:
                 self._first_step_flags[id(plan.params[i])] = flag

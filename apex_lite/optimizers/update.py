@@ -66,7 +66,8 @@ def unit_scalars(device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
     return pair
 
 
-def _is_unit_found_inf(found_inf: torch.Tensor, device: torch.device) -> bool:
+def is_unit_found_inf(found_inf: torch.Tensor, device: torch.device) -> bool:
+    """Whether ``found_inf`` is ``unit_scalars(device)``'s zero: known 0 without a read."""
     pair = _unit.get(device)
     return pair is not None and found_inf is pair[1]
 
