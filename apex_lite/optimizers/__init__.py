@@ -1,1 +1,17 @@
-"""Fused optimizers, and the fused update amp's O2 step runs through (``amp_kernels``)."""
+"""apex's fused optimizers: ``FusedSGD``, ``FusedAdam``, ``FusedLAMB``.
+
+Ordinary torch optimizers (torch's state layout, LR schedulers, param groups) whose step is one
+multi-tensor op per param group and device, state in fp32 for every parameter dtype. The
+per-device updates they are built from (``SGDUpdate``, ``AdamUpdate``, ``LambUpdate``; see
+``apex_lite.optimizers.update``) are what amp's O2 step runs, for these optimizers and for
+torch.optim.SGD / Adam / AdamW (``apex_lite.optimizers.fusable``). ``amp_kernels`` is amp's
+current use of the kernels for torch's optimizers.
+"""
+from .fused_adam import AdamHyper, AdamUpdate, FusedAdam
+from .fused_lamb import FusedLAMB, LambHyper, LambUpdate, global_grad_norm
+from .fused_sgd import FusedSGD, SGDHyper, SGDUpdate
+from .update import FusedUpdate, unit_scalars
+
+__all__ = ["FusedSGD", "FusedAdam", "FusedLAMB", "FusedUpdate", "SGDUpdate", "AdamUpdate",
+           "LambUpdate", "SGDHyper", "AdamHyper", "LambHyper", "global_grad_norm",
+           "unit_scalars"]

@@ -1,0 +1,276 @@
+"""One fused optimizer update over explicit tensor lists: the unit that FusedSGD, FusedAdam,
+FusedLAMB and amp's O2 step are built from.
+
+An update (``SGDUpdate``, ``AdamUpdate``, ``LambUpdate``, one per optimizer module) holds the
+parameters of one param group on one device, in three aligned lists given at construction:
+
+- ``params``: the tensors the optimizer updates and keys its ``state`` by. Standalone, the
+  parameters themselves (fp32, fp16 or bf16); under amp's O2, the fp32 masters.
+- ``grad_sources``: the tensors whose ``.grad`` is read at every call (default ``params``). Under
+  O2 the half model parameters, whose gradients carry the loss scale.
+- ``model_params``: tensors that receive the updated value rounded once to their dtype (under O2
+  the half model parameters), or none.
+
+``update(state, inv_scale, found_inf, hyper, *, grads=None)`` makes one step:
+
+- ``state``: the optimizer's state dict (param -> dict) in torch's layout. Entries are created
+  lazily for parameters that have a gradient, all in fp32 on the parameter's device whatever its
+  dtype (``exp_avg``, ``exp_avg_sq``, ``step`` as a 0-dim fp32 tensor; ``momentum_buffer``);
+  entries loaded from elsewhere (another dtype or device, a Python number as ``step``) are
+  converted once, when the lists are built.
+- ``inv_scale``, ``found_inf``: 1-element fp32 tensors on the update's device. ``grad * inv_scale``
+  is the true gradient; when ``found_inf`` is not 0 nothing at all is written (parameters, state,
+  step counts, model parameters). Standalone use passes ``unit_scalars(device)``.
+- ``hyper``: the group's hyper-parameters (``SGDHyper``, ``AdamHyper``, ``LambHyper``), which the
+  caller reads from ``param_groups`` at every step (``apex_lite.optimizers.fusable`` maps torch's
+  SGD/Adam/AdamW groups to them).
+- ``grads``: gradients aligned with ``params`` to use instead of ``grad_sources``' ``.grad``
+  (amp passes the materialised fp32 master gradients this way).
+
+Parameters whose gradient is None are skipped, as torch does. The tensor lists handed to the op
+are built once and reused while the set of parameters with a gradient, the ``state`` dict object
+and its number of entries stay the same; a new param group, a loaded state dict or a first state
+entry therefore rebuild them. ``invalidate()`` forces a rebuild where nothing of that shows
+(a state tensor replaced in place: ``state[p]["exp_avg"] = t``). Per step and per tensor the only
+Python work is reading ``.grad``.
+"""
+from __future__ import annotations
+
+import itertools
+import operator
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from ..multi_tensor._backend import ops_for
+
+__all__ = ["FusedUpdate", "unit_scalars"]
+
+STEPPED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+_grad_of = operator.attrgetter("grad")
+_has_grad = operator.is_not
+_NONE = itertools.repeat(None)
+
+# The standalone (inv_scale, found_inf) per device: 1 and 0. The fused ops only read them.
+_unit: Dict[torch.device, Tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def unit_scalars(device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(inv_scale, found_inf)`` of a step without loss scaling on ``device``: fp32 [1] tensors
+    holding 1 and 0, cached (never write to them)."""
+    pair = _unit.get(device)
+    if pair is None:
+        pair = _unit[device] = (torch.ones(1, dtype=torch.float32, device=device),
+                                torch.zeros(1, dtype=torch.float32, device=device))
+    return pair
+
+
+def is_unit_found_inf(found_inf: torch.Tensor, device: torch.device) -> bool:
+    """Whether ``found_inf`` is ``unit_scalars(device)``'s zero: known 0 without a read."""
+    pair = _unit.get(device)
+    return pair is not None and found_inf is pair[1]
+
+
+def zeros32(param: torch.Tensor) -> torch.Tensor:
+    """A fresh fp32 state tensor shaped and laid out like ``param``."""
+    return torch.zeros_like(param, dtype=torch.float32, memory_format=torch.preserve_format)
+
+
+class _Plan:
+    """The lists one op call takes, for the parameters that had a gradient when it was built."""
+    __slots__ = ("picks", "params", "model_params", "lists")
+
+    def __init__(self, picks, params, model_params, lists):
+        self.picks = picks                  # indices into the update's lists, None for all
+        self.params = params
+        self.model_params = model_params
+        self.lists = lists                  # the subclass's state lists, in the op's order
+
+
+class FusedUpdate:
+    """The fused step of one param group on one device (see the module docstring)."""
+
+    kind = ""            # "sgd", "adam", "lamb": for messages
+
+    def __init__(self, params: Sequence[torch.Tensor],
+                 grad_sources: Optional[Sequence[torch.Tensor]] = None,
+                 model_params: Optional[Sequence[torch.Tensor]] = None, *, label: str = ""):
+        self.params: List[torch.Tensor] = list(params)
+        self.grad_sources: List[torch.Tensor] = (self.params if grad_sources is None
+                                                 else list(grad_sources))
+        self.model_params: List[torch.Tensor] = [] if model_params is None else list(model_params)
+        self.label = label or f"fused {self.kind} update"
+        self.device: Optional[torch.device] = self.params[0].device if self.params else None
+        self._check_lists()
+        self._plan: Optional[_Plan] = None
+        self._plan_state: Optional[dict] = None
+        self._plan_key: Optional[tuple] = None
+
+    def _check_lists(self) -> None:
+        n = len(self.params)
+        for name, tensors in (("grad_sources", self.grad_sources),
+                              ("model_params", self.model_params)):
+            if tensors and len(tensors) != n:
+                raise ValueError(f"{self.label}: {name} has {len(tensors)} tensors but params "
+                                 f"has {n}; they are aligned, one per parameter")
+        for name, tensors in (("params", self.params), ("grad_sources", self.grad_sources),
+                              ("model_params", self.model_params)):
+            for i, t in enumerate(tensors):
+                if t.dtype not in STEPPED_DTYPES:
+                    raise TypeError(f"{self.label}: {name}[{i}] is {t.dtype}; the fused "
+                                    f"optimizers step float32, float16 and bfloat16 tensors")
+                if t.device != self.device:
+                    raise ValueError(f"{self.label}: {name}[{i}] is on {t.device} but params[0] "
+                                     f"is on {self.device}; build one update per device")
+                if t.shape != self.params[i].shape:
+                    raise ValueError(f"{self.label}: {name}[{i}] has shape {tuple(t.shape)} but "
+                                     f"params[{i}] has {tuple(self.params[i].shape)}")
+
+    def invalidate(self) -> None:
+        """Rebuild the cached lists at the next call."""
+        self._plan = self._plan_state = None
+
+    def read_grads(self) -> List[Optional[torch.Tensor]]:
+        """The gradients of ``grad_sources`` now, aligned with ``params`` (None where absent)."""
+        return list(map(_grad_of, self.grad_sources))
+
+    @torch.no_grad()
+    def __call__(self, state: Dict[torch.Tensor, dict], inv_scale: torch.Tensor,
+                 found_inf: torch.Tensor, hyper, *,
+                 grads: Optional[List[Optional[torch.Tensor]]] = None) -> None:
+        self._run(state, inv_scale, found_inf, hyper, grads, ())
+
+    def _run(self, state, inv_scale, found_inf, hyper, grads, extra: tuple) -> None:
+        if not self.params:
+            return
+        if grads is None:
+            grads = self.read_grads()
+        if all(map(_has_grad, grads, _NONE)):
+            mask = None
+        else:
+            mask = tuple(map(_has_grad, grads, _NONE))
+            if not any(mask):
+                return
+        plan = self._plan
+        # The state dict is compared by identity, and held, so that a new dict at a freed one's
+        # address cannot pass for it.
+        if plan is None or state is not self._plan_state or \
+                (mask, len(state), self._flavour(hyper)) != self._plan_key:
+            if state is not self._plan_state:
+                self._new_state()
+            plan = self._plan = self._build(state, grads, mask, hyper)
+            self._plan_state = state
+            # Taken after the build, whose own new state entries must not invalidate it.
+            self._plan_key = (mask, len(state), self._flavour(hyper))
+        if plan.picks is not None:
+            grads = [grads[i] for i in plan.picks]
+        ops = ops_for(self.device)
+        try:
+            self._launch(ops, plan, state, grads, inv_scale, found_inf, hyper, *extra)
+        except (RuntimeError, TypeError, ValueError) as exc:
+            self.check_grads(grads, plan.params, exc)
+            raise
+
+    def _build(self, state, grads, mask, hyper) -> _Plan:
+        picks = None if mask is None else [i for i, present in enumerate(mask) if present]
+        params = self.params if picks is None else [self.params[i] for i in picks]
+        models = self.model_params
+        if models and picks is not None:
+            models = [models[i] for i in picks]
+        self.check_grads(grads if picks is None else [grads[i] for i in picks], params)
+        return _Plan(picks, params, models, self._state_lists(params, state, hyper))
+
+    def check_grads(self, grads: List[Optional[torch.Tensor]],
+                    params: Optional[List[torch.Tensor]] = None,
+                    cause: Optional[BaseException] = None) -> None:
+        """Raise an error naming the parameter and the fix for a gradient the op cannot take
+        (``grads`` aligned with ``params``, default the update's; None entries are skipped)."""
+        for g, p in zip(grads, self.params if params is None else params):
+            if g is not None and g.layout != torch.strided:
+                dense_optimizer = "SGD" if self.kind == "sgd" else "SparseAdam"
+                raise RuntimeError(
+                    f"{self.label}: a parameter of shape {tuple(p.shape)} has a {g.layout} "
+                    f"gradient; the fused optimizers take dense gradients only. Give it a dense "
+                    f"gradient (e.g. nn.Embedding(sparse=False)) or step it with "
+                    f"torch.optim.{dense_optimizer} in an optimizer of its own.") from cause
+
+    # ---- what each optimizer defines ----------------------------------------------------------
+
+    def _new_state(self) -> None:
+        """Called when the lists are first built for a state dict (or after ``invalidate()``):
+        forget what was known of the previous one."""
+
+    def _flavour(self, hyper) -> object:
+        """What of the hyper-parameters decides which state lists exist (SGD: momentum or not)."""
+        return None
+
+    def _state_lists(self, params: List[torch.Tensor], state, hyper) -> tuple:
+        raise NotImplementedError
+
+    def _launch(self, ops, plan: _Plan, state, grads, inv_scale, found_inf, hyper,
+                *extra) -> None:
+        raise NotImplementedError
+
+
+# ---- state entries: created in fp32, converted once when loaded from elsewhere ----------------
+
+def state_entry(state: Dict[torch.Tensor, dict], param: torch.Tensor) -> dict:
+    """``state[param]``, created empty when missing (without a defaultdict's help)."""
+    entry = state.get(param)
+    if entry is None:
+        entry = state[param] = {}
+    return entry
+
+
+def fp32_like(value, param: torch.Tensor, name: str, label: str) -> torch.Tensor:
+    """``value`` (a state tensor shaped like ``param``) as fp32 on ``param``'s device."""
+    if not isinstance(value, torch.Tensor) or value.shape != param.shape:
+        shown = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(f"{label}: state '{name}' of a parameter of shape {tuple(param.shape)} "
+                         f"is {shown}; load a state_dict saved for these parameters")
+    if value.dtype != torch.float32 or value.device != param.device:
+        value = value.to(device=param.device, dtype=torch.float32)
+    return value
+
+
+def step_tensor(value, param: torch.Tensor) -> torch.Tensor:
+    """A step count (tensor or number) as the 0-dim fp32 tensor on ``param``'s device that the
+    ops take and torch's fused optimizers keep."""
+    if isinstance(value, torch.Tensor) and value.dtype == torch.float32 \
+            and value.device == param.device and value.numel() == 1:
+        return value
+    return torch.tensor(float(value), dtype=torch.float32, device=param.device)
+
+
+def moment_lists(update: FusedUpdate, params: List[torch.Tensor],
+                 state: Dict[torch.Tensor, dict]) -> Tuple[list, list, list]:
+    """``(exp_avgs, exp_avg_sqs, steps)`` of Adam and LAMB, initialising missing entries."""
+    exp_avgs, exp_avg_sqs, steps = [], [], []
+    for p in params:
+        s = state_entry(state, p)
+        present = [name for name in ("exp_avg", "exp_avg_sq", "step") if name in s]
+        if not present:
+            s["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            s["exp_avg"] = zeros32(p)
+            s["exp_avg_sq"] = zeros32(p)
+        elif len(present) != 3:
+            raise ValueError(f"{update.label}: the state of a parameter of shape "
+                             f"{tuple(p.shape)} holds {sorted(s)} but needs exp_avg, exp_avg_sq "
+                             f"and step; load a state_dict saved by the same kind of optimizer")
+        else:
+            s["exp_avg"] = fp32_like(s["exp_avg"], p, "exp_avg", update.label)
+            s["exp_avg_sq"] = fp32_like(s["exp_avg_sq"], p, "exp_avg_sq", update.label)
+            s["step"] = step_tensor(s["step"], p)
+        exp_avgs.append(s["exp_avg"])
+        exp_avg_sqs.append(s["exp_avg_sq"])
+        steps.append(s["step"])
+    return exp_avgs, exp_avg_sqs, steps
+
+
+def group_by_device(params: Sequence[torch.Tensor]) -> Mapping[torch.device, List[int]]:
+    """Indices of ``params`` per device, in order of first appearance."""
+    out: Dict[torch.device, List[int]] = {}
+    for i, p in enumerate(params):
+        out.setdefault(p.device, []).append(i)
+    return out
