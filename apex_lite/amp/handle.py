@@ -384,8 +384,8 @@ class AmpHandle:
                     f"optimizer {i} ({type(opt).__name__}) was already passed to amp.initialize. "
                     f"An optimizer can be initialised once: to re-initialise, create a new "
                     f"optimizer over the new model's parameters and pass both.")
-        updates = [step_path.choose(opt, i, properties, fused_step)
-                   for i, opt in enumerate(opt_list)]
+        unfused_whys = [step_path.choose(opt, i, properties, fused_step)
+                        for i, opt in enumerate(opt_list)]
         run = _Run(properties, model_list, num_losses=num_losses, verbosity=verbosity,
                    min_loss_scale=min_loss_scale, max_loss_scale=float(max_loss_scale),
                    hysteresis=hysteresis, scale_window=scale_window, process_group=process_group,
@@ -413,8 +413,8 @@ class AmpHandle:
         # Now change things: cast the models, wrap their forwards, take over the optimizers.
         for index, model in enumerate(model_list):
             self._prepare_model(run, index, model, keep_fp32_modules)
-        for opt, (update, why) in zip(opt_list, updates):
-            self._take_over_optimizer(run, opt, update, why)
+        for opt, why in zip(opt_list, unfused_whys):
+            self._take_over_optimizer(run, opt, why)
         devices = {p.device for amp_opt in run.optimizers for p in amp_opt.masters()}
         if run.optimizers and len(devices) == 1 and all(amp_opt.path.fused
                                                           for amp_opt in run.optimizers):
@@ -475,16 +475,16 @@ class AmpHandle:
         model.register_forward_pre_hook(_DtypeGuard(run, index))
         setattr(model, _MARK, props.opt_level)
 
-    def _take_over_optimizer(self, run: _Run, opt: torch.optim.Optimizer, update,
-                             why: str) -> None:
+    def _take_over_optimizer(self, run: _Run, opt: torch.optim.Optimizer,
+                             unfused_why: str) -> None:
         for group in opt.param_groups:
             group["params"] = run.masters_for(group["params"], "amp.initialize")
         for model_param, master in run.master_of.items():
             if model_param in opt.state:
                 opt.state[master] = opt.state.pop(model_param)
         amp_opt = AmpOptimizer(opt, run, run.model_of)
-        amp_opt.path = step_path.UnfusedStep(why) if update is None else \
-            step_path.FusedStep(opt, run.model_of, update)
+        amp_opt.path = step_path.UnfusedStep(unfused_why) if unfused_why else \
+            step_path.FusedStep(opt, run.model_of)
         amp_opt.install()
         run.optimizers.append(amp_opt)
 

@@ -31,28 +31,29 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ..multi_tensor._backend import ops_for
-from ..optimizers import amp_kernels
+from ..optimizers import fusable
+from ..optimizers.fused_lamb import LambUpdate, global_grad_norm
+from ..optimizers.update import FusedUpdate
 from .optimizer import CHECKED, CLEAN, SCALED, UNSCALED, fused_scale, flag_nonfinite
 from .scaler import BackwardScale
 
 
 def choose(optimizer: torch.optim.Optimizer, index: int, properties,
-           fused_step: Optional[bool]) -> Tuple[Optional[amp_kernels.Update], str]:
-    """``(update, "")`` when optimizer ``index`` takes the fused step, ``(None, why not)`` when
-    it takes the unfused one; raises when ``fused_step=True`` and it cannot."""
+           fused_step: Optional[bool]) -> str:
+    """Why optimizer ``index`` takes the unfused step, or "" when it takes the fused one;
+    raises when ``fused_step=True`` and it cannot."""
     if fused_step is False:
-        return None, "fused_step=False"
+        return "fused_step=False"
     if properties.opt_level != "O2" or not properties.master_weights:
         why = (f"the fused step runs at O2 (fp32 master weights), not at "
                f"{properties.opt_level}{'' if properties.master_weights else ' without them'}")
-        update = None
     else:
-        update, why = amp_kernels.update_for(optimizer)
-    if update is None and fused_step:
+        why = fusable.unfused_reason(optimizer)
+    if why and fused_step:
         raise ValueError(f"fused_step=True, but optimizer {index} ({type(optimizer).__name__}) "
                          f"cannot take the fused step: {why}. Pass fused_step=None to use it "
                          f"where it applies, or fused_step=False for the unfused step.")
-    return update, why
+    return why
 
 
 class UnfusedStep:
@@ -96,7 +97,8 @@ def _clip_master_grads(amp_opt, max_norm: float, norm_type: float) -> torch.Tens
 
 class _Bucket:
     """The parameters of one param group on one device that the kernel takes in one call: all O2
-    pairs (half model parameters written), or all parameters that are their own masters."""
+    pairs (half model parameters written), or all parameters that are their own masters; and the
+    optimizer's fused update over them (apex_lite.optimizers), built once."""
 
     def __init__(self, group: dict, device: torch.device, with_half: bool):
         self.group = group
@@ -104,6 +106,12 @@ class _Bucket:
         self.with_half = with_half
         self.masters: List[torch.Tensor] = []     # what the optimizer updates (fp32)
         self.sources: List[torch.Tensor] = []     # the model parameters whose .grad feeds them
+        self.update: Optional[FusedUpdate] = None
+
+    def build(self, update_class, label: str) -> None:
+        self.update = update_class(self.masters, grad_sources=self.sources,
+                                   model_params=self.sources if self.with_half else None,
+                                   label=label)
 
 
 class FusedStep:
@@ -112,10 +120,10 @@ class FusedStep:
     fused = True
 
     def __init__(self, optimizer: torch.optim.Optimizer,
-                 model_of: Dict[torch.Tensor, torch.Tensor], update: "amp_kernels.Update"):
+                 model_of: Dict[torch.Tensor, torch.Tensor]):
         self.optimizer = optimizer
         self.model_of = model_of
-        self.update = update
+        self.update_class = fusable.update_class(optimizer)
         # amp.clip_grad_norm_ before this step: (coefficient, non-finite norm) device tensors.
         self.clip: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
         self._buckets: Optional[List[_Bucket]] = None
@@ -146,26 +154,29 @@ class FusedStep:
         from_masters = amp_opt.grad_state == UNSCALED
         inv = amp_opt.pending.inv if amp_opt.grad_state == CHECKED else 1.0
         clip, self.clip = self.clip, None
-        for bucket in self.buckets():
-            grads_from = bucket.masters if from_masters else bucket.sources
-            grads = [p.grad for p in grads_from]
-            masters, sources = bucket.masters, bucket.sources
-            if any(g is None for g in grads):   # parameters this step's backwards did not reach
-                chosen = [i for i, g in enumerate(grads) if g is not None]
-                if not chosen:
-                    continue
-                grads = [grads[i] for i in chosen]
-                masters = [masters[i] for i in chosen]
-                sources = [sources[i] for i in chosen]
-            inv_scale = self._scalar(bucket.device, "inv_scale", inv)
-            flag = self._scalar(bucket.device, "found_inf", 0.0) if found_inf is None \
-                else found_inf.to(bucket.device)
+        buckets = self.buckets()
+        scalars = {}
+        for device in {bucket.device for bucket in buckets}:
+            inv_scale = self._scalar(device, "inv_scale", inv)
+            flag = self._scalar(device, "found_inf", 0.0) if found_inf is None \
+                else found_inf.to(device)
             if clip is not None:   # amp.clip_grad_norm_: folded in on the device
-                inv_scale = inv_scale * clip[0].to(bucket.device)
-                flag = torch.maximum(flag, clip[1].to(bucket.device))
-            with torch.no_grad():
-                self.update(bucket.group, masters, grads, sources if bucket.with_half else [],
-                            self.optimizer.state, inv_scale, flag)
+                inv_scale = inv_scale * clip[0].to(device)
+                flag = torch.maximum(flag, clip[1].to(device))
+            scalars[device] = (inv_scale, flag)
+        grads = {id(b): [p.grad for p in b.masters] if from_masters else None for b in buckets}
+        grad_norms = None
+        if self.update_class is LambUpdate:   # one norm of all true gradients, every group
+            grad_norms = global_grad_norm(
+                ((b.device, grads[id(b)] or b.update.read_grads()) for b in buckets),
+                lambda device: scalars[device])
+        state = self.optimizer.state
+        for bucket in buckets:
+            inv_scale, flag = scalars[bucket.device]
+            hyper = fusable.hyper_parameters(self.optimizer, bucket.group)
+            extra = () if grad_norms is None else \
+                (grad_norms.get(bucket.device, torch.zeros(1, device=bucket.device)),)
+            bucket.update(state, inv_scale, flag, hyper, *extra, grads=grads[id(bucket)])
 
     def _scalar(self, device: torch.device, name: str, value) -> torch.Tensor:
         """``value`` as a 1-element fp32 tensor on ``device``: a device tensor as it is, a host
@@ -197,6 +208,8 @@ class FusedStep:
                         bucket = buckets[key] = _Bucket(group, master.device, source is not master)
                     bucket.masters.append(master)
                     bucket.sources.append(source)
+            for bucket in buckets.values():
+                bucket.build(self.update_class, f"{type(self.optimizer).__name__} under amp")
             self._buckets = list(buckets.values())
             self._built_for = signature
         return self._buckets

@@ -4,8 +4,8 @@ Ordinary torch optimizers (torch's state layout, LR schedulers, param groups) wh
 multi-tensor op per param group and device, state in fp32 for every parameter dtype. The
 per-device updates they are built from (``SGDUpdate``, ``AdamUpdate``, ``LambUpdate``; see
 ``apex_lite.optimizers.update``) are what amp's O2 step runs, for these optimizers and for
-torch.optim.SGD / Adam / AdamW (``apex_lite.optimizers.fusable``). ``amp_kernels`` is amp's
-current use of the kernels for torch's optimizers.
+torch.optim.SGD / Adam / AdamW (``apex_lite.optimizers.fusable``; amp's step path:
+``apex_lite.amp.step_path``).
 """
 from .fused_adam import AdamHyper, AdamUpdate, FusedAdam
 from .fused_lamb import FusedLAMB, LambHyper, LambUpdate, global_grad_norm

@@ -132,8 +132,9 @@ class FusedSGD(FusedOptimizer):
         lr: learning rate (required: each group may give its own instead).
         momentum, dampening, weight_decay, nesterov: as torch.optim.SGD.
         wd_after_momentum: add the weight decay after the momentum instead of before (apex).
-        materialize_master_grads: read by amp under O2, as apex's amp reads it (whether fp32
-            master gradients are materialised); no effect without amp.
+        materialize_master_grads: accepted for apex's signature; changes nothing. (apex's O2
+            kept fp32 master gradients unless it was False; apex_lite's fused O2 step never
+            keeps them, and ``amp.master_params`` makes them on request, to clip.)
         set_grad_none: what ``zero_grad()`` without arguments does: set gradients to None
             (True) or zero them in place (False, apex's default for FusedSGD).
 
