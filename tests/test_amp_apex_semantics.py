@@ -17,6 +17,9 @@ import pytest
 import torch
 
 from apex_lite import amp
+from apex_lite.amp.optimizer import CHECKED
+
+STEP_PATHS = pytest.mark.parametrize("fused_step", [None, False], ids=["fused", "unfused"])
 
 LEVELS = ["O0", "O1", "O2", "O3"]
 CLEARING = ["opt.zero_grad()", "opt.zero_grad(set_to_none=False)", "model.zero_grad()",
@@ -104,11 +107,33 @@ def _reference(clearing, n_opts, shared, inject, x):
     return models, opts, skipped
 
 
-def _amp_run(level, clearing, n_opts, n_scalers, shared, inject, x):
+def _masters(opt):
+    """What ``opt`` updates, read without materialising anything (amp.master_params would turn
+    the fused step's pending gradients into master gradients)."""
+    return opt._apex_lite_amp.masters()
+
+
+def _true_grads(opt):
+    """The unscaled gradients ``opt`` is about to apply: the masters' (unfused) or, pending on the
+    fused step, the model's divided by their loss scale."""
+    amp_opt = opt._apex_lite_amp
+    grads = []
+    for master in amp_opt.masters():
+        if amp_opt.grad_state == CHECKED:
+            grad = amp_opt.model_of.get(master, master).grad
+            grads.append(None if grad is None else grad.float() * amp_opt.pending.inv)
+        else:
+            grads.append(None if master.grad is None else master.grad.float().clone())
+    return grads
+
+
+def _amp_run(level, clearing, n_opts, n_scalers, shared, inject, x, fused_step):
     models = _models(shared)
     opts = _optimizers(models, n_opts)
     models, opts = amp.initialize(models, opts, opt_level=level, num_losses=n_scalers,
-                                  verbosity=0)
+                                  verbosity=0, fused_step=fused_step)
+    if fused_step is None and level == "O2":
+        assert all(o._apex_lite_amp.path.fused for o in opts)
     if n_opts == 1:
         given = [[opts[0]], [opts[0]]]
     else:
@@ -117,31 +142,33 @@ def _amp_run(level, clearing, n_opts, n_scalers, shared, inject, x):
     steps_taken = []
     for step in range(STEPS):
         _clear(clearing, models, opts)
-        before = [[p.detach().clone() for p in amp.master_params(o)] for o in opts]
+        before = [[p.detach().clone() for p in _masters(o)] for o in opts]
         for backward, loss in enumerate(_losses(models, x)):
             with amp.scale_loss(loss, given[backward], loss_id=loss_ids[backward]) as scaled:
                 scaled.backward()
                 _inject(models, step, backward, inject)
-        master_grads = [[None if p.grad is None else p.grad.detach().float().clone()
-                         for p in amp.master_params(o)] for o in opts]
+        master_grads = [_true_grads(o) for o in opts]
         for o in opts:
             o.step()
-        steps_taken.append([any(not torch.equal(b, p) for b, p in zip(bs, amp.master_params(o)))
+        steps_taken.append([any(not torch.equal(b, p) for b, p in zip(bs, _masters(o)))
                             for bs, o in zip(before, opts)])
     return models, opts, master_grads, steps_taken
 
 
-CASES = [c for c in itertools.product(LEVELS, CLEARING, [1, 2], [1, 2], [False, True],
-                                      [None, 0, 1])]
+# O2 runs on both step paths (the default, fused; and fused_step=False); the other levels have
+# only the unfused one.
+CASES = [c + (path,) for c in itertools.product(LEVELS, CLEARING, [1, 2], [1, 2], [False, True],
+                                                [None, 0, 1])
+         for path in ([None, False] if c[0] == "O2" else [None])]
 
 
-@pytest.mark.parametrize("level, clearing, n_opts, n_scalers, shared, inject", CASES)
+@pytest.mark.parametrize("level, clearing, n_opts, n_scalers, shared, inject, fused_step", CASES)
 def test_matches_fp32_that_skips_the_same_steps(level, clearing, n_opts, n_scalers, shared,
-                                                inject):
+                                                inject, fused_step):
     x = torch.tensor([[1.0, -0.5, 0.25], [0.5, 1.0, -1.0]])
     ref_models, ref_opts, ref_skipped = _reference(clearing, n_opts, shared, inject, x)
     models, opts, master_grads, steps_taken = _amp_run(level, clearing, n_opts, n_scalers,
-                                                       shared, inject, x)
+                                                       shared, inject, x, fused_step)
     tol = TOLERANCE[level]
     # The same steps skipped, per optimizer.
     assert [[not s for s in skips] for skips in ref_skipped] == steps_taken
@@ -152,7 +179,7 @@ def test_matches_fp32_that_skips_the_same_steps(level, clearing, n_opts, n_scale
             torch.testing.assert_close(got, ref.float(), equal_nan=True, **tol)
     for ref_opt, opt in zip(ref_opts, opts):
         ref_params = [p for g in ref_opt.param_groups for p in g["params"]]
-        for ref, got in zip(ref_params, amp.master_params(opt)):
+        for ref, got in zip(ref_params, _masters(opt)):
             torch.testing.assert_close(got.detach().float(), ref.detach(), **tol)
     # Each scaler backed off only for an inf in its own backward (one injected inf, one skip).
     if clearing != "none" and inject is not None:
@@ -164,57 +191,61 @@ def test_matches_fp32_that_skips_the_same_steps(level, clearing, n_opts, n_scale
 
 # ---- the issue's regression snippets -----------------------------------------------------------
 
-def test_o2_master_gradients_start_afresh_after_param_grad_none():
+@STEP_PATHS
+def test_o2_master_gradients_start_afresh_after_param_grad_none(fused_step):
     m = torch.nn.Linear(4, 1, bias=False)
     o = torch.optim.SGD(m.parameters(), lr=0.0)
-    m, o = amp.initialize(m, o, opt_level="O2", verbosity=0)
+    m, o = amp.initialize(m, o, opt_level="O2", verbosity=0, fused_step=fused_step)
     for _ in range(3):
         for p in m.parameters():
             p.grad = None
         with amp.scale_loss(m(torch.ones(1, 4)).float().sum(), o) as s:
             s.backward()
-        assert torch.equal(next(amp.master_params(o)).grad, torch.ones(1, 4))
+        assert torch.equal(_true_grads(o)[0], torch.ones(1, 4))
         o.step()
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
-def test_no_clearing_accumulates_like_torch(level):
+@STEP_PATHS
+def test_no_clearing_accumulates_like_torch(level, fused_step):
     """Never cleared, gradients add up over steps in torch; amp's unscaled ones do the same."""
     m = torch.nn.Linear(4, 1, bias=False)
     o = torch.optim.SGD(m.parameters(), lr=0.0)
-    m, o = amp.initialize(m, o, opt_level=level, verbosity=0)
+    m, o = amp.initialize(m, o, opt_level=level, verbosity=0, fused_step=fused_step)
     for i in range(3):
         with amp.scale_loss(m(torch.ones(1, 4)).float().sum(), o) as s:
             s.backward()
-        assert torch.equal(next(amp.master_params(o)).grad.float(), torch.full((1, 4), i + 1.0))
+        assert torch.equal(_true_grads(o)[0], torch.full((1, 4), i + 1.0))
         o.step()
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
 @pytest.mark.parametrize("delay_unscale", [False, True])
-def test_accumulation_before_one_step_still_adds(level, delay_unscale):
+@STEP_PATHS
+def test_accumulation_before_one_step_still_adds(level, delay_unscale, fused_step):
     m = torch.nn.Linear(4, 1, bias=False)
     o = torch.optim.SGD(m.parameters(), lr=0.0)
-    m, o = amp.initialize(m, o, opt_level=level, verbosity=0)
+    m, o = amp.initialize(m, o, opt_level=level, verbosity=0, fused_step=fused_step)
     for step in range(2):
         o.zero_grad()
         for micro in range(3):
             with amp.scale_loss(m(torch.ones(1, 4)).float().sum(), o,
                                 delay_unscale=delay_unscale and micro < 2) as s:
                 s.backward()
-        assert torch.equal(next(amp.master_params(o)).grad.float(), torch.full((1, 4), 3.0))
+        assert torch.equal(_true_grads(o)[0], torch.full((1, 4), 3.0))
         o.step()
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
-def test_one_loss_overflow_does_not_skip_another_loss_optimizer(level):
+@STEP_PATHS
+def test_one_loss_overflow_does_not_skip_another_loss_optimizer(level, fused_step):
     a, s, b = (torch.nn.Linear(2, 1, bias=False) for _ in range(3))
     o0 = torch.optim.SGD([*a.parameters(), *s.parameters()], lr=0.1)
     o1 = torch.optim.SGD(b.parameters(), lr=0.1)
     [a, s, b], [o0, o1] = amp.initialize([a, s, b], [o0, o1], opt_level=level, num_losses=2,
-                                         verbosity=0)
+                                         verbosity=0, fused_step=fused_step)
     x = torch.ones(1, 2)
-    before = [p.detach().clone() for p in amp.master_params(o0)] + \
+    before = [p.detach().clone() for p in _masters(o0)] + \
         [b.weight.detach().float().clone()]
     with amp.scale_loss((a(x) + s(x)).float().sum(), o0, loss_id=0) as loss:
         loss.backward()
@@ -223,8 +254,8 @@ def test_one_loss_overflow_does_not_skip_another_loss_optimizer(level):
         loss.backward()                          # finite
     o0.step()
     o1.step()
-    assert all(torch.equal(p, q) for p, q in zip(before[:2], amp.master_params(o0)))
-    stepped = next(amp.master_params(o1))
+    assert all(torch.equal(p, q) for p, q in zip(before[:2], _masters(o0)))
+    stepped = _masters(o1)[0]
     torch.testing.assert_close(stepped.float(), before[2] - 0.1 * torch.ones(1, 2),
                                rtol=1e-2, atol=1e-2)
     scalers = amp.loss_scalers()
@@ -233,17 +264,18 @@ def test_one_loss_overflow_does_not_skip_another_loss_optimizer(level):
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
-def test_two_scalers_into_the_same_gradients_sum_the_unscaled_values(level):
+@STEP_PATHS
+def test_two_scalers_into_the_same_gradients_sum_the_unscaled_values(level, fused_step):
     m = torch.nn.Linear(3, 1, bias=False)
     o = torch.optim.SGD(m.parameters(), lr=0.0)
-    m, o = amp.initialize(m, o, opt_level=level, num_losses=2, verbosity=0)
+    m, o = amp.initialize(m, o, opt_level=level, num_losses=2, verbosity=0, fused_step=fused_step)
     amp.loss_scalers()[1].loss_scale = 2.0 ** 5      # different scales on purpose
     x = torch.ones(1, 3)
     with amp.scale_loss(m(x).float().sum(), o, loss_id=0) as loss:
         loss.backward()
     with amp.scale_loss(3 * m(x).float().sum(), o, loss_id=1) as loss:
         loss.backward()
-    assert torch.equal(next(amp.master_params(o)).grad.float(), torch.full((1, 3), 4.0))
+    assert torch.equal(_true_grads(o)[0], torch.full((1, 3), 4.0))
 
 
 # ---- cast_model_type=False -----------------------------------------------------------------------
@@ -282,7 +314,7 @@ def test_o1_master_weights_still_refused():
 
 # ---- model checkpoints hold fp32 -----------------------------------------------------------------
 
-def _trained(level, **kwargs):
+def _trained(level, **kwargs):  # the default (fused where it applies) step path
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8),
                                 torch.nn.Linear(8, 2))

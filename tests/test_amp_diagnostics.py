@@ -16,6 +16,10 @@ def _setup(level="O2", **kwargs):
     model = Net()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     kwargs.setdefault("verbosity", 1)
+    # The log and its counters are checked decision by decision: on the fused step (O2's
+    # default) the host catches up with the device after every decision with sync_interval=1
+    # (test_amp_fused_step.py tests the catch-up at the default interval).
+    kwargs.setdefault("sync_interval", 1)
     return amp.initialize(model, opt, opt_level=level, **kwargs)
 
 
@@ -242,23 +246,25 @@ def test_locator_without_a_run_or_with_a_non_module():
 
 # ---- amp.report ---------------------------------------------------------------------------------
 
-def test_report_o2():
-    model, opt = _setup("O2", verbosity=0)
+@pytest.mark.parametrize("fused_step", [None, False], ids=["fused", "unfused"])
+def test_report_o2(fused_step):
+    model, opt = _setup("O2", verbosity=0, fused_step=fused_step)
     model.conv = torch.nn.Conv2d(3, 16, 3)      # a conv with 3 input channels (not on the opt)
     train_step(model, opt, 0, amp)
     rep = amp.report()
     bf16 = [p for p in model.parameters() if p.dtype == torch.bfloat16]
     fp32 = [p for p in model.parameters() if p.dtype == torch.float32]
-    masters = list(amp.master_params(opt))
+    masters = opt._apex_lite_amp.masters()   # (amp.master_params would materialise gradients)
     nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
     assert rep.tensors["parameters"] == {torch.bfloat16: (len(bf16), nbytes(bf16)),
                                          torch.float32: (len(fp32), nbytes(fp32))}
     assert len(bf16) == 4 + 0 and len(fp32) == 2 + 2    # fc1, fc2 half; bn and conv fp32
-    # Under O2 the half gradients are unscaled into the fp32 master gradients and stay until
-    # they are cleared, as torch's .grad does.
-    grads = [p.grad for p in masters]
+    # The half gradients stay until they are cleared, as torch's .grad does; the unfused step
+    # also holds fp32 master gradients, the fused step none (the fp32-kept params' own only).
     half_grads = [p.grad for p in bf16]
     assert len(half_grads) == 4 and all(g is not None for g in half_grads)
+    grads = [p.grad for p in masters if p.grad is not None]
+    assert len(grads) == (6 if fused_step is False else 2)
     assert rep.tensors["gradients"] == {torch.float32: (len(grads), nbytes(grads)),
                                         torch.bfloat16: (4, nbytes(half_grads))}
     half_masters = [p for p in masters if p in amp.default_handle()._run.model_of]

@@ -12,14 +12,22 @@ import torch
 from apex_lite import amp
 
 LEVELS = ["O0", "O1", "O2", "O3"]
-SCALED_LEVELS = ["O1", "O2"]          # the levels with a dynamic loss scale
+_STEP_PATH = {"fused_step": None}
+
+
+@pytest.fixture(autouse=True, params=[None, False], ids=["fused", "unfused"])
+def step_path(request):
+    """Every rule holds on the fused and the unfused step path."""
+    _STEP_PATH["fused_step"] = request.param
+    yield request.param
 
 
 def _setup(level, n_opts=1, **kwargs):
     torch.manual_seed(0)
     models = [torch.nn.Linear(4, 2) for _ in range(n_opts)]
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
-    models, opts = amp.initialize(models, opts, opt_level=level, verbosity=0, **kwargs)
+    models, opts = amp.initialize(models, opts, opt_level=level, verbosity=0,
+                                  fused_step=_STEP_PATH["fused_step"], **kwargs)
     return models, opts
 
 
@@ -32,7 +40,7 @@ def _snapshot(opts):
     """Everything a refused call must leave as it was: masters, model params, scaler state."""
     run = amp.default_handle()._run
     params = [p.detach().clone() for m in run.models for p in m.parameters()]
-    masters = [p.detach().clone() for o in opts for p in amp.master_params(o)]
+    masters = [p.detach().clone() for o in opts for p in o._apex_lite_amp.masters()]
     scalers = [(s.loss_scale, s.steps, s.skipped_steps, s.unskipped)
                for s in amp.loss_scalers()]
     return params, masters, scalers
@@ -199,7 +207,7 @@ def test_skips_at_the_floor_warn_and_the_rate_warning_comes(caplog):
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = amp.initialize(model, opt, opt_level="O2", min_loss_scale=2.0 ** 14,
-                                overflow_patience=None)
+                                overflow_patience=None, fused_step=_STEP_PATH["fused_step"])
     with caplog.at_level(logging.INFO, logger="apex_lite.amp"):
         for _ in range(150):
             opt.zero_grad()
@@ -237,12 +245,17 @@ def test_a_second_initialize_elsewhere_points_to_one_handle_per_thread():
 def test_one_handle_per_thread_trains_independently():
     results = {}
 
+    models = []
+    for _ in range(2):   # in this thread: the threads would share torch's global RNG
+        torch.manual_seed(0)
+        models.append(torch.nn.Linear(4, 2))
+
     def train(name):
         handle = amp.AmpHandle()
-        torch.manual_seed(0)
-        model = torch.nn.Linear(4, 2)
+        model = models[name]
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        model, opt = handle.initialize(model, opt, opt_level="O1", verbosity=0)
+        model, opt = handle.initialize(model, opt, opt_level="O1", verbosity=0,
+                                       fused_step=_STEP_PATH["fused_step"])
         for _ in range(5):
             opt.zero_grad()
             with handle.scale_loss(model(torch.ones(3, 4)).float().pow(2).sum(), opt) as scaled:

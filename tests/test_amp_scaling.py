@@ -4,9 +4,9 @@ import logging
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
-from amp_helpers import Net, batch, inject_inf, snapshot, assert_bitwise_equal, train_step
+from amp_helpers import (CountSyncs, Net, batch, inject_inf, snapshot, assert_bitwise_equal,
+                         train_step)
 from apex_lite import amp
 from apex_lite.amp.scaler import LossScaler
 
@@ -17,6 +17,10 @@ def _setup(level="O2", opt_cls=torch.optim.Adam, **kwargs):
     model = Net()
     opt = opt_cls(model.parameters(), lr=1e-2)
     kwargs.setdefault("verbosity", 0)
+    # The log and its counters are checked decision by decision: on the fused step (O2's
+    # default) the host catches up with the device after every decision with sync_interval=1
+    # (test_amp_fused_step.py tests the catch-up at the default interval).
+    kwargs.setdefault("sync_interval", 1)
     return amp.initialize(model, opt, opt_level=level, **kwargs)
 
 
@@ -39,16 +43,52 @@ def _setup(level="O2", opt_cls=torch.optim.Adam, **kwargs):
     (dict(hysteresis=2), "oooo", [65536.0, 32768.0, 32768.0, 16384.0]),
     (dict(hysteresis=2, scale_window=1), "o.o", [65536.0, 131072.0, 131072.0]),
 ])
-def test_dynamic_rule(kwargs, events, scales):
+@pytest.mark.parametrize("on_device", [False, True], ids=["host", "device"])
+def test_dynamic_rule(kwargs, events, scales, on_device):
+    """The same rule whether the scale lives on the host or on the device (the fused step)."""
     kwargs = {"min_loss_scale": None, "max_loss_scale": 2.0 ** 24, **kwargs}
     scaler = LossScaler(0, "dynamic", **kwargs)
+    if on_device:
+        scaler.use_device(torch.device("cpu"))
     seen = []
     for event in events:
-        scaler.update(event == "o")
+        if on_device:
+            scaler.update_on_device(torch.tensor([float(event == "o")]), torch.zeros(1))
+        else:
+            scaler.update(event == "o")
         seen.append(scaler.loss_scale)
     assert seen == scales
     assert scaler.steps == len(events) and scaler.skipped_steps == events.count("o")
     assert scaler.last_step_skipped == (events[-1] == "o")
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_device_rule_matches_the_host_rule_on_random_decisions(seed):
+    """2000 random decisions: a device scaler, replayed on the host every sync_interval
+    decisions (and when read), ends where a host scaler does, counter for counter, and hands
+    the same decisions to its on_decision hook in the same order."""
+    import random
+    rng = random.Random(seed)
+    kwargs = dict(min_loss_scale=rng.choice([None, 2.0 ** 4]), max_loss_scale=2.0 ** 20,
+                  scale_window=rng.choice([1, 5, 50]), hysteresis=rng.choice([1, 3]))
+    host = LossScaler(0, "dynamic", **kwargs)
+    device = LossScaler(0, "dynamic", sync_interval=7, **kwargs)
+    device.use_device(torch.device("cpu"))
+    seen_host, seen_device = [], []
+    host.on_decision = lambda *decision: seen_host.append(decision)
+    device.on_decision = lambda *decision: seen_device.append(decision)
+    for _ in range(2000):
+        overflow = rng.random() < 0.3
+        old = host.loss_scale
+        host.update(overflow)
+        host.on_decision(old, overflow, False)
+        device.update_on_device(torch.tensor([float(overflow)]), torch.zeros(1))
+    assert len(seen_device) == 2000 - 2000 % 7   # replayed when the history filled up
+    assert (device.loss_scale, device.steps, device.skipped_steps, device.last_step_skipped,
+            device.unskipped, device.hysteresis_left) == \
+        (host.loss_scale, host.steps, host.skipped_steps, host.last_step_skipped,
+         host.unskipped, host.hysteresis_left)
+    assert seen_device == seen_host
 
 
 def test_static_scale_never_moves_but_still_skips():
@@ -118,7 +158,7 @@ def test_nonfinite_loss_in_a_delayed_micro_batch_is_named(caplog):
     assert "Loss is inf or NaN" in caplog.text
     before = snapshot(model, opt)
     opt.step()
-    assert_bitwise_equal(before, snapshot(model, opt))
+    assert_bitwise_equal(before, snapshot(model, opt), fresh_state_ok=True)
 
 
 def test_static_scale_skip_is_logged_and_verbosity_zero_is_silent(caplog):
@@ -301,29 +341,16 @@ def test_delay_overflow_check_defers_the_decision_to_step():
     before = snapshot(model, opt)
     opt.step()
     assert scaler.steps == 1 and scaler.loss_scale == 32768.0
-    assert_bitwise_equal(before, snapshot(model, opt))
+    assert_bitwise_equal(before, snapshot(model, opt), fresh_state_ok=True)
 
 
 # ---- cost: fused calls and host syncs -----------------------------------------------------------
 
-class _CountSyncs(TorchFunctionMode):
-    SYNCS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "nonzero", "cpu",
-             "numpy"}
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") in self.SYNCS:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
 def test_one_host_sync_and_one_fused_call_per_step(level, monkeypatch):
+    """The unfused step: one unscale call (O2: and one copy back), one host read."""
     from apex_lite.amp import optimizer as amp_optimizer
-    model, opt = _setup(level, opt_cls=torch.optim.SGD)
+    model, opt = _setup(level, opt_cls=torch.optim.SGD, fused_step=False)
     calls = []
     real_scale = amp_optimizer.fused_scale
     monkeypatch.setattr(amp_optimizer, "fused_scale",
@@ -331,7 +358,7 @@ def test_one_host_sync_and_one_fused_call_per_step(level, monkeypatch):
     x, y = batch(0)
     opt.zero_grad()
     loss = torch.nn.functional.mse_loss(model(x).float(), y)
-    with _CountSyncs() as syncs:
+    with CountSyncs() as syncs:
         with amp.scale_loss(loss, opt) as scaled:
             scaled.backward()
         opt.step()

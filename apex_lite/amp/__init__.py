@@ -19,10 +19,11 @@ from .diagnostics import DEFAULT_OVERFLOW_PATIENCE, NonfiniteLocator, OverflowSt
 from .handle import AmpHandle
 from .report import AmpReport
 from .opt_levels import OPT_LEVELS, OptLevel, Properties
-from .scaler import DEFAULT_SCALE_WINDOW, LossScaler
+from .scaler import DEFAULT_SCALE_WINDOW, DEFAULT_SYNC_INTERVAL, LossScaler
 
 __all__ = [
     "initialize", "scale_loss", "state_dict", "load_state_dict", "master_params", "loss_scalers",
+    "clip_grad_norm_",
     "half_function", "float_function", "promote_function", "register_half_function",
     "register_float_function", "register_promote_function", "disable_casts", "AmpHandle",
     "OPT_LEVELS", "OptLevel", "Properties", "LossScaler", "default_handle", "locate_nonfinite",
@@ -44,7 +45,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                min_loss_scale=None, max_loss_scale=2. ** 24, *, half_dtype=None,
                keep_fp32_modules=(), hysteresis=1, scale_window=DEFAULT_SCALE_WINDOW,
                process_group=None, overflow_patience=DEFAULT_OVERFLOW_PATIENCE,
-               locate_nonfinite=False):
+               locate_nonfinite=False, fused_step=None, sync_interval=DEFAULT_SYNC_INTERVAL):
     """Set models and optimizers up for mixed precision at ``opt_level`` ("O0".."O3"), as apex.
 
     Returns ``(model, optimizer)``, each a list only where a list was passed, or the model(s)
@@ -64,6 +65,14 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
         names the parameters whose gradients were, and turns the locator on. None: never.
       locate_nonfinite: turn on ``amp.locate_nonfinite`` for the models (one host sync per
         module per forward: for debugging).
+      fused_step: None (default): at O2, an optimizer whose update apex_lite's kernels compute
+        (torch.optim.SGD, Adam, AdamW and apex_lite.optimizers) steps in one kernel pass from
+        the half gradients, with no fp32 master gradients (amp.report() says which path each
+        optimizer takes, and why); others take the unfused step. True: require the fused step
+        (an error names the optimizer that cannot take it). False: the unfused step everywhere.
+      sync_interval: when every optimizer takes the fused step, the loss scale and the skip
+        decisions stay on the device and the host counters (amp.loss_scalers()), the skip log
+        and OverflowStuckError catch up when read, and at least every ``sync_interval`` steps.
 
     Logging (logger "apex_lite.amp", only rank 0 when distributed), by ``verbosity``:
       0: silent.
@@ -84,7 +93,8 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
         verbosity=verbosity, min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale,
         half_dtype=half_dtype, keep_fp32_modules=keep_fp32_modules, hysteresis=hysteresis,
         scale_window=scale_window, process_group=process_group,
-        overflow_patience=overflow_patience, locate_nonfinite=locate_nonfinite)
+        overflow_patience=overflow_patience, locate_nonfinite=locate_nonfinite,
+        fused_step=fused_step, sync_interval=sync_interval)
 
 
 def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
@@ -114,6 +124,14 @@ def loss_scalers():
     ``steps``, ``skipped_steps`` and ``last_step_skipped`` (was the latest step skipped?), host
     values that cost no sync to read."""
     return _default_handle.loss_scalers()
+
+
+def clip_grad_norm_(optimizer, max_norm, norm_type=2.0):
+    """Clip the true gradients ``optimizer``'s next step() applies to ``max_norm``; returns their
+    total norm, as ``torch.nn.utils.clip_grad_norm_``. Call it after the backward(s), before
+    ``step()``. On the fused step nothing is materialised: one fused norm, the clip coefficient
+    folded into the step, no host read."""
+    return _default_handle.clip_grad_norm_(optimizer, max_norm, norm_type)
 
 
 def master_params(optimizer):

@@ -154,9 +154,12 @@ def nonfinite_gradient_names(run, amp_optimizers) -> List[str]:
     seen = set()
     for amp_opt in amp_optimizers:
         for group in amp_opt.groups().values():
-            pairs = [(model_param, master.grad) for model_param, master
-                     in zip(group.model_params, group.masters)
-                     if master.grad is not None and id(master) not in seen]
+            # The master's gradient, or on the fused step the model's (still scaled, which
+            # does not change whether it is finite).
+            pairs = [(model_param, master.grad if master.grad is not None else model_param.grad)
+                     for model_param, master in zip(group.model_params, group.masters)
+                     if id(master) not in seen]
+            pairs = [(p, grad) for p, grad in pairs if grad is not None]
             seen.update(id(master) for master in group.masters)
             if not pairs:
                 continue

@@ -17,9 +17,10 @@ import torch
 from . import casting, diagnostics
 from . import report as report_module
 from .opt_levels import OPT_LEVELS, Properties, resolve_properties
-from .optimizer import UNSCALED, AmpOptimizer
-from .overflow import FlagPool, OverflowCheck, is_logging_rank
-from .scaler import DEFAULT_SCALE_WINDOW, LossScaler
+from . import step_path
+from .optimizer import AmpOptimizer
+from .overflow import DecisionLog, FlagPool, OverflowCheck, is_logging_rank
+from .scaler import DEFAULT_SCALE_WINDOW, DEFAULT_SYNC_INTERVAL, LossScaler
 
 logger = logging.getLogger("apex_lite.amp")
 
@@ -57,17 +58,24 @@ class _Run:
 
     def __init__(self, properties: Properties, models: List[torch.nn.Module], *, num_losses: int,
                  verbosity: int, min_loss_scale, max_loss_scale: float, hysteresis: int,
-                 scale_window: int, process_group, overflow_patience: Optional[int]):
+                 scale_window: int, process_group, overflow_patience: Optional[int],
+                 sync_interval: int):
         self.properties = properties
         self.models = models
         self.verbosity = verbosity
         self.process_group = process_group
         self.scalers = [LossScaler(i, properties.loss_scale, min_loss_scale=min_loss_scale,
                                    max_loss_scale=max_loss_scale, scale_window=scale_window,
-                                   hysteresis=hysteresis) for i in range(num_losses)]
+                                   hysteresis=hysteresis, sync_interval=sync_interval)
+                        for i in range(num_losses)]
         self.skip_logs = [diagnostics.SkipLog(scaler, verbosity=verbosity,
                                               overflow_patience=overflow_patience)
                           for scaler in self.scalers]
+        for scaler, skip_log in zip(self.scalers, self.skip_logs):
+            scaler.on_decision = DecisionLog(self, skip_log)
+        # Every optimizer takes the fused step, on one device: the loss scales and the skip
+        # decisions live on that device and nothing is read on the host per step.
+        self.decides_on_device = False
         self.locators: List[diagnostics.NonfiniteLocator] = []
         self.flag_pool = FlagPool()
         # Per model, the qualified names of the modules kept fp32 inside a half model.
@@ -275,13 +283,14 @@ def _refuse_sparse_gradients(model: torch.nn.Module, index: int) -> None:
 
 
 def _check_scale_args(num_losses, verbosity, min_loss_scale, max_loss_scale, hysteresis,
-                      scale_window, overflow_patience) -> None:
+                      scale_window, overflow_patience, sync_interval) -> None:
     def positive_int(name, value):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     positive_int("num_losses", num_losses)
     positive_int("hysteresis", hysteresis)
     positive_int("scale_window", scale_window)
+    positive_int("sync_interval", sync_interval)
     if overflow_patience is not None:
         positive_int("overflow_patience", overflow_patience)
     if isinstance(verbosity, bool) or not isinstance(verbosity, int) or verbosity < 0:
@@ -336,7 +345,8 @@ class AmpHandle:
                    half_dtype=None, keep_fp32_modules=(), hysteresis=1,
                    scale_window=DEFAULT_SCALE_WINDOW, process_group=None,
                    overflow_patience=diagnostics.DEFAULT_OVERFLOW_PATIENCE,
-                   locate_nonfinite=False):
+                   locate_nonfinite=False, fused_step=None,
+                   sync_interval=DEFAULT_SYNC_INTERVAL):
         """apex's ``amp.initialize``; see ``apex_lite.amp.initialize`` for the extensions."""
         model_list, models_was_list = _as_list(models, torch.nn.Module, "models")
         if optimizers is None:
@@ -370,7 +380,11 @@ class AmpHandle:
             keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights,
             loss_scale=loss_scale, cast_model_outputs=cast_model_outputs)
         _check_scale_args(num_losses, verbosity, min_loss_scale, max_loss_scale, hysteresis,
-                          scale_window, overflow_patience)
+                          scale_window, overflow_patience, sync_interval)
+        if fused_step not in (None, True, False):
+            raise ValueError(f"fused_step must be None (the fused step where it applies), True "
+                             f"(required: an error names an optimizer that cannot take it) or "
+                             f"False (the unfused step everywhere); got {fused_step!r}")
         if isinstance(keep_fp32_modules, (str, type)):
             keep_fp32_modules = (keep_fp32_modules,)
         keep_fp32_modules = tuple(keep_fp32_modules)
@@ -387,10 +401,12 @@ class AmpHandle:
                     f"optimizer {i} ({type(opt).__name__}) was already passed to amp.initialize. "
                     f"An optimizer can be initialised once: to re-initialise, create a new "
                     f"optimizer over the new model's parameters and pass both.")
+        updates = [step_path.choose(opt, i, properties, fused_step)
+                   for i, opt in enumerate(opt_list)]
         run = _Run(properties, model_list, num_losses=num_losses, verbosity=verbosity,
                    min_loss_scale=min_loss_scale, max_loss_scale=float(max_loss_scale),
                    hysteresis=hysteresis, scale_window=scale_window, process_group=process_group,
-                   overflow_patience=overflow_patience)
+                   overflow_patience=overflow_patience, sync_interval=sync_interval)
         for i, opt in enumerate(opt_list):
             foreign = run.foreign_param([p for g in opt.param_groups for p in g["params"]])
             if foreign is not None:
@@ -414,8 +430,14 @@ class AmpHandle:
         # Now change things: cast the models, wrap their forwards, take over the optimizers.
         for index, model in enumerate(model_list):
             self._prepare_model(run, index, model, keep_fp32_modules)
-        for opt in opt_list:
-            self._take_over_optimizer(run, opt)
+        for opt, (update, why) in zip(opt_list, updates):
+            self._take_over_optimizer(run, opt, update, why)
+        devices = {p.device for amp_opt in run.optimizers for p in amp_opt.masters()}
+        if run.optimizers and len(devices) == 1 and all(amp_opt.path.fused
+                                                          for amp_opt in run.optimizers):
+            run.decides_on_device = True
+            for scaler in run.scalers:
+                scaler.use_device(devices.pop() if len(devices) == 1 else scaler.device())
         run.record_placement()
         self._run = run
         if locate_nonfinite:
@@ -470,13 +492,16 @@ class AmpHandle:
         model.register_forward_pre_hook(_DtypeGuard(run, index))
         setattr(model, _MARK, props.opt_level)
 
-    def _take_over_optimizer(self, run: _Run, opt: torch.optim.Optimizer) -> None:
+    def _take_over_optimizer(self, run: _Run, opt: torch.optim.Optimizer, update,
+                             why: str) -> None:
         for group in opt.param_groups:
             group["params"] = run.masters_for(group["params"], "amp.initialize")
         for model_param, master in run.master_of.items():
             if model_param in opt.state:
                 opt.state[master] = opt.state.pop(model_param)
         amp_opt = AmpOptimizer(opt, run, run.model_of)
+        amp_opt.path = step_path.UnfusedStep(why) if update is None else \
+            step_path.FusedStep(opt, run.model_of, update)
         amp_opt.install()
         run.optimizers.append(amp_opt)
 
@@ -538,15 +563,15 @@ class AmpHandle:
                 amp_opts.append(amp_opt)
         run.check_placement("amp.scale_loss")
         scaler = run.scalers[loss_id]
-        loss_scale = scaler.loss_scale
+        scale = scaler.backward_scale()
         for amp_opt in amp_opts:
-            amp_opt.check_can_accumulate(loss_id, loss_scale)
+            amp_opt.check_can_accumulate(scale)
             amp_opt.check_devices("amp.scale_loss")
 
         stashes = [amp_opt.before_backward() for amp_opt in amp_opts]
         for amp_opt in amp_opts:
             amp_opt.in_scale_loss = True
-        scaled_loss = loss.float() * loss_scale
+        scaled_loss = loss.float() * scale.multiplier
         backward = _BackwardWatch(scaled_loss)
         try:
             yield scaled_loss
@@ -568,12 +593,11 @@ class AmpHandle:
         check = None
         if not delay_unscale:
             delayed = [l for amp_opt in amp_opts for l in amp_opt.pending_losses]
-            check = OverflowCheck(scaler, loss, skip_log=run.skip_logs[loss_id], run=run,
-                                  optimizers=amp_opts, flag_pool=run.flag_pool,
+            check = OverflowCheck(scaler, loss, optimizers=amp_opts, flag_pool=run.flag_pool,
                                   process_group=run.process_group, delayed_losses=delayed)
         for amp_opt, stash in zip(amp_opts, stashes):
             amp_opt.missing_backward = False
-            amp_opt.after_backward(stash, loss, loss_scale, loss_id, delay_unscale, check)
+            amp_opt.after_backward(stash, loss, scale, delay_unscale, check)
         if check is not None and not delay_overflow_check:
             check.resolve()
 
@@ -684,9 +708,15 @@ class AmpHandle:
     # ---- helpers ----------------------------------------------------------------------------
     def loss_scalers(self) -> List[LossScaler]:
         """The current run's loss scalers, one per ``loss_id`` (empty before ``initialize`` and
-        when it was disabled). Their counters are host values: reading them never syncs."""
+        when it was disabled). Their counters are host values; on the fused step, whose scales
+        live on the device, they are brought up to date now and whenever one is read (a sync,
+        which also emits the skip log's pending lines)."""
         run = self._run
-        return list(run.scalers) if run is not None and run.enabled else []
+        if run is None or not run.enabled:
+            return []
+        for scaler in run.scalers:
+            scaler.sync()
+        return list(run.scalers)
 
     def locate_nonfinite(self, model: Optional[torch.nn.Module] = None):
         """Turn on the locator that logs the first module whose forward output holds inf or NaN:
@@ -715,8 +745,25 @@ class AmpHandle:
             _as_list(optimizers, torch.optim.Optimizer, "optimizers")[0]
         return report_module.build_report(run, model_list, opt_list)
 
+    def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float,
+                        norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the true gradients ``optimizer``'s next step() applies to ``max_norm`` and return
+        their total norm, as ``torch.nn.utils.clip_grad_norm_``; after the backward(s), before
+        ``step()``. On the fused step (2-norm) nothing is written: one fused norm, the clip
+        coefficient folded into the step, no host read; a non-finite norm skips the step."""
+        amp_opt = getattr(optimizer, _MARK, None)
+        if amp_opt is None or amp_opt.run is not self._run:
+            raise RuntimeError("amp.clip_grad_norm_ takes an optimizer that the latest "
+                               "amp.initialize returned")
+        return amp_opt.clip_grad_norm_(max_norm, norm_type)
+
     def master_params(self, optimizer: torch.optim.Optimizer):
-        """The tensors ``optimizer`` updates (the fp32 masters under O2), as apex: a generator."""
+        """The tensors ``optimizer`` updates (the fp32 masters under O2), as apex: a generator.
+        On the fused step, gradients still scaled are unscaled into the masters' gradients
+        when it is first read (to clip or read them, as apex code does)."""
+        amp_opt = getattr(optimizer, _MARK, None)
+        if amp_opt is not None:
+            amp_opt.materialize_master_grads()
         for group in optimizer.param_groups:
             for p in group["params"]:
                 yield p

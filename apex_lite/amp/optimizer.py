@@ -9,7 +9,17 @@ saved from and loaded into fp32 tensors.
 Gradient bookkeeping per optimizer (``grad_state``):
 - CLEAN: no gradient since ``zero_grad`` (or gradients that are None / zero);
 - SCALED: gradients hold a backward still multiplied by the loss scale (``delay_unscale=True``);
-- UNSCALED: gradients hold true values; another backward is accumulated with ``axpby`` into them.
+- UNSCALED: gradients hold true values (under O2 in the masters' fp32 gradients); another
+  backward is accumulated with ``axpby`` into them;
+- CHECKED (the fused step only): the model's gradients hold one backward (or a delay_unscale
+  accumulation) still multiplied by the loss scale, checked for inf/NaN when its ``scale_loss``
+  exited; the step's kernel unscales them. Another backward, or ``amp.master_params``, first
+  unscales them into the masters' gradients (UNSCALED).
+
+How the update is applied is the optimizer's step path (``step_path.py``), chosen at
+``initialize``: the unfused step (unscale at the end of ``scale_loss``, the optimizer's own
+``step()``, a copy back to the half model) or the fused step (a read-only check at the end of
+``scale_loss``, one kernel pass at ``step()``). The rules here hold on both.
 
 Accumulation follows torch's rule on the unscaled values: a gradient accumulates until it is
 cleared, however it is cleared. Under O2 the model's half ``.grad`` stays in place after the
@@ -27,34 +37,49 @@ optimizer's parameters without being given the optimizer).
 """
 from __future__ import annotations
 
+import functools
 import types
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
+from ..multi_tensor import _python
 from ..multi_tensor._backend import ops_for
 from .overflow import OverflowCheck
+from .scaler import BackwardScale
 
-CLEAN, SCALED, UNSCALED = "clean", "scaled", "unscaled"
+CLEAN, SCALED, UNSCALED, CHECKED = "clean", "scaled", "unscaled", "checked"
+
+Scale = Union[float, torch.Tensor]
 
 
 # The fused calls of the step. They skip ``multi_tensor``'s argument checks (Python loops over
 # every tensor, every step): amp builds these lists itself, on one device, in fp32/fp16/bf16, with
-# outputs that are either the inputs or distinct tensors of the same shapes.
-def fused_scale(inputs: List[torch.Tensor], outputs: List[torch.Tensor], scale: float,
+# outputs that are either the inputs or distinct tensors of the same shapes. A scale may be a
+# 1-element device tensor (a loss scale kept on the device): torch's check-and-unscale op takes
+# it without a host read, through the Python backend (the native kernels' reference, bit for bit).
+def _ops(scale: Scale, found_inf: torch.Tensor):
+    return _python if isinstance(scale, torch.Tensor) else ops_for(found_inf.device)
+
+
+def fused_scale(inputs: List[torch.Tensor], outputs: List[torch.Tensor], scale: Scale,
                 found_inf: torch.Tensor) -> None:
     """``multi_tensor.scale`` for lists amp built."""
-    ops = ops_for(found_inf.device)
+    ops = _ops(scale, found_inf)
+    if not isinstance(scale, torch.Tensor):
+        scale = float(scale)
     if outputs is inputs:
-        ops.scale_(inputs, float(scale), found_inf)
+        ops.scale_(inputs, scale, found_inf)
     else:
-        ops.scale_out(inputs, outputs, float(scale), found_inf)
+        ops.scale_out(inputs, outputs, scale, found_inf)
 
 
-def fused_accumulate(new: List[torch.Tensor], into: List[torch.Tensor], scale: float,
+def fused_accumulate(new: List[torch.Tensor], into: List[torch.Tensor], scale: Scale,
                      found_inf: torch.Tensor) -> None:
     """``into += scale * new`` (``multi_tensor.axpby`` in place) for lists amp built."""
-    ops_for(found_inf.device).axpby_(new, into, float(scale), 1.0, found_inf)
+    ops = _ops(scale, found_inf)
+    ops.axpby_(new, into, scale if isinstance(scale, torch.Tensor) else float(scale), 1.0,
+               found_inf)
 
 
 def flag_nonfinite(tensors: List[torch.Tensor], found_inf: torch.Tensor) -> None:
@@ -108,9 +133,9 @@ class AmpOptimizer:
         # master -> the model parameter whose .grad feeds it (itself when not cast).
         self.model_of = model_of
         self.grad_state = CLEAN
-        self.pending_scale: Optional[float] = None   # the scale of SCALED gradients
-        self.pending_loss_id: Optional[int] = None
-        self.pending_losses: List[torch.Tensor] = []   # the losses behind SCALED gradients
+        # The scale of SCALED or CHECKED gradients, and the losses behind SCALED ones.
+        self.pending: Optional[BackwardScale] = None
+        self.pending_losses: List[torch.Tensor] = []
         self.checks: List[OverflowCheck] = []
         # step() since the last backward: a second step() would apply the same gradients again.
         self.stepped_since_backward = False
@@ -119,6 +144,9 @@ class AmpOptimizer:
         # The last scale_loss for this optimizer exited without a backward through its loss.
         self.missing_backward = False
         self._groups: Optional[Dict[torch.device, _DeviceGroup]] = None
+        # How step() applies the update: UnfusedStep or FusedStep (step_path.py), set by
+        # initialize.
+        self.path = None
         self._original_step = optimizer.step
         self._original_zero_grad = optimizer.zero_grad
         self._original_add_param_group = optimizer.add_param_group
@@ -188,14 +216,23 @@ class AmpOptimizer:
                             f"amp.initialize again.")
 
     # ---- scale_loss's two halves ----------------------------------------------------------
-    def check_can_accumulate(self, loss_id: int, loss_scale: float) -> None:
-        """Raise, before any backward, when the next backward cannot join the pending one."""
-        if self.grad_state == SCALED and self.pending_scale != loss_scale:
+    def check_can_accumulate(self, scale: BackwardScale) -> None:
+        """Raise, before any backward, when the next backward cannot join the pending one. CHECKED
+        gradients that the next backward would add to are unscaled into the masters' gradients
+        first (accumulation is in fp32, as on the unfused step)."""
+        if self.grad_state == CHECKED:
+            if any(p.grad is not None for group in self.groups().values()
+                   for p in group.model_params):
+                self.path.materialize(self)
+            else:
+                self._reset(set_to_none=True)   # all cleared by hand since: as after zero_grad
+        if self.grad_state == SCALED and self.pending.token != scale.token:
             raise RuntimeError(
-                f"delay_unscale=True left this optimizer's gradients multiplied by loss scaler "
-                f"{self.pending_loss_id}'s scale {self.pending_scale}, but this scale_loss uses "
-                f"loss scaler {loss_id} with scale {loss_scale}. Accumulate under one loss_id, or "
-                f"pass delay_unscale=False so each backward is unscaled on its own.")
+                f"delay_unscale=True left this optimizer's gradients multiplied by "
+                f"{self.pending.describe()}, but this scale_loss uses {scale.describe()}"
+                f"{'' if scale.loss_id != self.pending.loss_id else ' (it changed since)'}. "
+                f"Accumulate under one loss_id, or pass delay_unscale=False so each backward is "
+                f"unscaled on its own.")
 
     def before_backward(self) -> Dict[int, torch.Tensor]:
         """Move the gradients of earlier backwards aside so that this backward writes fresh
@@ -229,35 +266,34 @@ class AmpOptimizer:
                     model_param.grad = old
 
     def after_backward(self, stash: Dict[int, torch.Tensor], loss: torch.Tensor,
-                       loss_scale: float, loss_id: int, delay_unscale: bool,
+                       scale: BackwardScale, delay_unscale: bool,
                        check: Optional[OverflowCheck]) -> None:
-        """Unscale the new gradients into the masters' gradients, adding the stash, flagging
-        non-finite values in ``check``; or, with ``delay_unscale``, leave them scaled."""
+        """Hand the new gradients to the step path (unscaled into the masters' gradients, adding
+        the stash, or checked where they stand), flagging non-finite values in ``check``; or,
+        with ``delay_unscale``, leave them scaled."""
         if delay_unscale:
             self.restore_stash(stash)   # empty: a CLEAN or SCALED optimizer stashes nothing
             self.grad_state = SCALED
-            self.pending_scale = loss_scale
-            self.pending_loss_id = loss_id
+            self.pending = scale
             self.pending_losses.append(loss.detach())
             self.stepped_since_backward = False
             return
         try:
-            self._unscale(stash, loss_scale, check)
+            self.path.end_backward(self, stash, scale, check)
         except (ValueError, RuntimeError):
             # The kernels refuse tensors off the flag's device: a model (partly) moved after
             # initialize. Name it; anything else is re-raised as it was.
             self.raise_moved("amp.scale_loss")
             raise
-        self.grad_state = UNSCALED
-        self.pending_scale = None
-        self.pending_loss_id = None
         self.pending_losses = []
         self.checks.append(check)
         self.stepped_since_backward = False
 
-    def _unscale(self, stash: Dict[int, torch.Tensor], loss_scale: float,
-                 check: OverflowCheck) -> None:
-        inv_scale = 1.0 / loss_scale
+    def unscale(self, stash: Dict[int, torch.Tensor], scale: BackwardScale,
+                check: OverflowCheck) -> None:
+        """Unscale this backward's gradients into true values (under O2 into the masters' fp32
+        gradients), adding what the stash and earlier backwards hold: UNSCALED."""
+        inv_scale = scale.inv
         accumulate = self.grad_state == UNSCALED
         # When an earlier backward of this step may have left inf/NaN in the gradients this one
         # adds to, the accumulating kernel would flag them again: check the new gradients on
@@ -308,9 +344,11 @@ class AmpOptimizer:
                                      check.carried_inf(self, device))
             for master, grad in restore:
                 master.grad = grad
+        self.grad_state = UNSCALED
+        self.pending = None
 
     @staticmethod
-    def _unscale_fresh(group: _DeviceGroup, inv_scale: float, found_inf: torch.Tensor) -> bool:
+    def _unscale_fresh(group: _DeviceGroup, inv_scale: Scale, found_inf: torch.Tensor) -> bool:
         """The common step (no gradients to add to): O0/O1/O3 gradients unscaled where they
         stand, O2 half gradients into the masters' fp32 gradients; one fused call each. False
         when some O2 parameter got no gradient (the general path handles it)."""
@@ -375,19 +413,23 @@ class AmpOptimizer:
                 "neither scaled nor checked.)")
         if self.grad_state == CLEAN:
             self._refuse_gradients_amp_did_not_unscale()
-        skip = False
-        for check in self.checks:
-            skip = check.skips(self) or skip
-        self.checks = []
+        checks, self.checks = self.checks, []
         self.stepped_since_backward = True
+        # Tell an LR scheduler this step counted (torch's own flag), also when it is skipped, so
+        # that skipped first steps do not make it warn that lr_scheduler.step() came first.
+        self.optimizer._opt_called = True
+        if self.run.decides_on_device:
+            # Every step is fused: the kernel reads the skip decision on the device.
+            flags = [check.skip_flag(self) for check in checks]
+            found_inf = functools.reduce(torch.maximum, flags) if flags else None
+            return self.path.apply(self, found_inf)
+        skip = False
+        for check in checks:
+            skip = check.skips(self) or skip
         if skip:
-            # Tell an LR scheduler this step counted (torch's own flag), so skipped first steps
-            # do not make it warn that lr_scheduler.step() came before optimizer.step().
-            self.optimizer._opt_called = True
+            self.path.forget()   # a clip coefficient of this step goes with it
             return None
-        result = self._original_step()
-        self.copy_masters_to_model()
-        return result
+        return self.path.apply(self, None)
 
     def _refuse_gradients_amp_did_not_unscale(self) -> None:
         """``step()`` with no ``scale_loss`` for this optimizer since its gradients were cleared:
@@ -428,11 +470,11 @@ class AmpOptimizer:
         for check in self.checks:
             check.resolve()
         self.grad_state = CLEAN
-        self.pending_scale = None
-        self.pending_loss_id = None
+        self.pending = None
         self.pending_losses = []
         self.checks = []
         self.missing_backward = False
+        self.path.forget()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         # The step itself is not taken, as zero_grad before step() means in plain torch.
@@ -466,8 +508,11 @@ class AmpOptimizer:
                         master.grad = None
                     else:
                         master.grad.zero_()
-        if all(master.grad is None for group in self.groups().values()
-               for master in group.masters):
+        # Where the gradients live: the masters' (O2, unscaled), or the model's while CHECKED.
+        holders = [p for group in self.groups().values()
+                   for p in (group.model_params if self.grad_state == CHECKED
+                             else group.masters)]
+        if all(p.grad is None for p in holders):
             self.zero_grad(True)   # several models' zero_grad() together cleared them all
 
     def add_param_group(self, param_group: dict) -> None:
@@ -478,6 +523,19 @@ class AmpOptimizer:
         self.run.refuse_shared_params(self, group["params"], "optimizer.add_param_group")
         self._original_add_param_group(group)
         self._groups = None
+        self.path.invalidate()
+
+    def materialize_master_grads(self) -> None:
+        """Between a backward and its step(), give the masters true fp32 gradients
+        (``amp.master_params``: apex's way to clip them); on the fused step this unscales CHECKED
+        gradients into them (UNSCALED) and the step reads those. After the step nothing is made:
+        the step's gradients were used (the fused step leaves the masters without gradients)."""
+        if not self.stepped_since_backward:
+            self.path.materialize(self)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the true gradients the next step() applies to ``max_norm``; their total norm."""
+        return self.path.clip_grad_norm_(self, float(max_norm), float(norm_type))
 
 
 def _make_method(name: str):

@@ -16,9 +16,15 @@ GradScaler (which decides per optimizer) do:
 When a backward adds to gradients that an earlier backward of the same step left non-finite, the
 accumulation re-flags them in a ``carried`` flag, which makes the optimizer skip (what it would
 apply is not finite) without charging this loss's scaler for another backward's overflow.
+
+When the scaler keeps its scale on the device (every optimizer of the run takes the fused step),
+``resolve`` makes the same two decisions on the device instead, reading nothing on the host: the
+scaler is updated there, and each optimizer gets a device flag (``skip_flag``) that its fused
+step kernel reads; the host learns of the decisions later (``LossScaler.sync``).
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
@@ -57,15 +63,12 @@ class FlagPool:
 class OverflowCheck:
     """The flags of one backward, for one loss scaler and the optimizers it fed."""
 
-    def __init__(self, scaler: LossScaler, loss: torch.Tensor, *,
-                 skip_log: diagnostics.SkipLog, run=None, optimizers: Sequence = (),
+    def __init__(self, scaler: LossScaler, loss: torch.Tensor, *, optimizers: Sequence = (),
                  flag_pool: Optional[FlagPool] = None, process_group=None,
                  delayed_losses: Sequence[torch.Tensor] = ()):
         self.scaler = scaler
-        self.skip_log = skip_log
-        # The run and the AmpOptimizers whose gradients the flags cover (to name the parameters
-        # in OverflowStuckError).
-        self.run = run
+        # The AmpOptimizers whose gradients the flags cover (OverflowStuckError names their
+        # parameters).
         self.optimizers = list(optimizers)
         self.loss = loss.detach()
         # Losses of earlier delay_unscale=True backwards whose gradients this unscale finishes.
@@ -79,6 +82,9 @@ class OverflowCheck:
         self.overflow: Optional[bool] = None          # the scaler's decision, once resolved
         self.loss_nonfinite: Optional[bool] = None
         self.overflowed: Set[object] = set()          # the optimizers whose own flags were set
+        # A device decision: per optimizer, the 1-element flag its step reads (1: skip).
+        self.resolved_on_device = False
+        self.skip_flags: Dict[object, torch.Tensor] = {}
 
     def found_inf(self, amp_optimizer, device: torch.device) -> torch.Tensor:
         """The zeroed flag the kernels write for ``amp_optimizer``'s gradients on ``device``."""
@@ -97,18 +103,29 @@ class OverflowCheck:
         return flag
 
     def known_clean(self, amp_optimizer) -> bool:
-        """True when this check is resolved and found ``amp_optimizer``'s gradients finite (no
-        sync: False while unresolved)."""
+        """True when this check is resolved on the host and found ``amp_optimizer``'s gradients
+        finite (no sync: False while unresolved, or decided on the device)."""
         return self.overflow is not None and not self.skips(amp_optimizer)
 
     def skips(self, amp_optimizer) -> bool:
-        """Whether ``amp_optimizer`` must skip its step because of this backward (resolves)."""
+        """Whether ``amp_optimizer`` must skip its step because of this backward (resolves on
+        the host)."""
         self.resolve()
         return bool(self.loss_nonfinite) or amp_optimizer in self.overflowed
 
-    def resolve(self) -> bool:
-        """Decide once (one host sync), update the scaler, log a skip; True when this backward
-        overflowed (the scaler's decision)."""
+    def skip_flag(self, amp_optimizer) -> torch.Tensor:
+        """The device flag (1-element fp32, 1: skip) of ``amp_optimizer``'s step, for a scaler
+        on the device (resolves there)."""
+        self.resolve()
+        return self.skip_flags[amp_optimizer]
+
+    def resolve(self) -> Optional[bool]:
+        """Decide once, update the scaler, log a skip: on the host (one sync; returns True when
+        this backward overflowed, the scaler's decision), or on the device when the scaler is
+        there (returns None: nothing is known on the host)."""
+        if self.scaler.on_device:
+            self._resolve_on_device()
+            return None
         if self.overflow is not None:
             return self.overflow
         device = self.loss.device
@@ -138,12 +155,63 @@ class OverflowCheck:
         self.found_infs, self.carried_infs = {}, {}
         old_scale = self.scaler.loss_scale
         self.scaler.update(self.overflow)
-        message = skip_message(self.scaler, old_scale, self.loss_nonfinite) \
-            if self.overflow else ""
-        if self.skip_log.record(old_scale, self.overflow, self.loss_nonfinite, message):
-            raise diagnostics.stuck_error(self.run, self.optimizers, self.skip_log,
-                                          self.loss_nonfinite)
+        self.decision_log(old_scale, self.overflow, self.loss_nonfinite, self.optimizers)
         return self.overflow
+
+    def _resolve_on_device(self) -> None:
+        """``resolve``'s decisions as device flags: the flags of this backward (all-reduced with
+        MAX when distributed) and whether a loss was not finite. No host read."""
+        if self.resolved_on_device:
+            return
+        self.resolved_on_device = True
+        device = self.scaler.device()
+        keys = list(self.found_infs)
+        carried_keys = list(self.carried_infs)
+        losses = torch.cat([l.to(device) for l in self.losses])
+        loss_bad = torch.isfinite(losses).logical_not().any().to(torch.float32).reshape(1)
+        flags = torch.cat([self.found_infs[key].to(device) for key in keys] +
+                          [self.carried_infs[key].to(device) for key in carried_keys] +
+                          [loss_bad])
+        if distributed_active():
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
+        loss_bad = flags[-1:]
+        own = flags[:len(keys)]
+        for amp_opt in self.optimizers:
+            # Views and elementwise maxima only (indexing with a host list would copy it to
+            # the device, a sync).
+            rows = [flags[i:i + 1] for i, key in enumerate(keys + carried_keys)
+                    if key[0] is amp_opt]
+            self.skip_flags[amp_opt] = functools.reduce(torch.maximum, rows, loss_bad)
+        overflow = torch.cat([own, loss_bad]).amax().reshape(1)
+        self.flag_pool.give_back(list(self.found_infs.values()) +
+                                 list(self.carried_infs.values()))
+        self.found_infs, self.carried_infs = {}, {}
+        self.scaler.update_on_device(overflow, loss_bad)
+
+    @property
+    def decision_log(self) -> "DecisionLog":
+        """The run's ``DecisionLog`` of this scaler (``initialize`` sets it)."""
+        return self.scaler.on_decision
+
+
+class DecisionLog:
+    """What a run does with each decision of one loss scaler, on the host: log it by the skip
+    log's policy, and raise ``OverflowStuckError`` when steps are stuck overflowing at the floor
+    (naming the non-finite gradients of ``optimizers``, by default all of the run's). A scaler on
+    the device calls it when it replays its decisions (``LossScaler.sync``)."""
+
+    def __init__(self, run, skip_log: diagnostics.SkipLog):
+        self.run = run
+        self.skip_log = skip_log
+
+    def __call__(self, old_scale: float, overflow: bool, loss_nonfinite: bool,
+                 optimizers: Optional[Sequence] = None) -> None:
+        scaler = self.skip_log.scaler
+        message = skip_message(scaler, old_scale, loss_nonfinite) if overflow else ""
+        if self.skip_log.record(old_scale, overflow, loss_nonfinite, message):
+            raise diagnostics.stuck_error(
+                self.run, self.run.optimizers if optimizers is None else optimizers,
+                self.skip_log, loss_nonfinite)
 
 
 def skip_message(scaler: LossScaler, old_scale: float, loss_nonfinite: bool) -> str:

@@ -14,8 +14,11 @@ TENSOR_CORE_MULTIPLE = 8
 
 @dataclasses.dataclass
 class AmpReport:
-    """``tensors[kind][dtype] = (count, bytes)`` for kind "parameters", "gradients" and "master
-    weights"; ``kept_fp32`` the modules kept fp32 per model; ``backends[device] = (name, why)``;
+    """``tensors[kind][dtype] = (count, bytes)`` for kind "parameters", "gradients", "master
+    weights" and "optimizer state"; ``bytes_per_parameter`` all of them over the number of model
+    parameter elements (fp32 training with Adam holds 16: 4 weight, 4 gradient, 8 state);
+    ``step_paths`` one line per optimizer (fused or unfused step, and why);
+    ``kept_fp32`` the modules kept fp32 per model; ``backends[device] = (name, why)``;
     ``not_multiple_of_8`` one line per Linear/Conv whose matmul dimensions are not multiples of 8
     (fp16/bf16 tensor cores want them). ``str()`` gives the readable report."""
     opt_level: str
@@ -24,6 +27,8 @@ class AmpReport:
     kept_fp32: List[List[str]]
     backends: Dict[str, Tuple[str, str]]
     not_multiple_of_8: List[str]
+    bytes_per_parameter: float = 0.0
+    step_paths: List[str] = dataclasses.field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"apex_lite.amp report: opt_level {self.opt_level}, half dtype {self.half_dtype}"]
@@ -32,6 +37,8 @@ class AmpReport:
                 lines.append(f"  {kind}: none")
             for dtype, (count, nbytes) in sorted(per_dtype.items(), key=lambda kv: str(kv[0])):
                 lines.append(f"  {kind}: {count} {dtype} tensors, {_size(nbytes)}")
+        lines.append(f"  bytes held per model parameter: {self.bytes_per_parameter:.2f}")
+        lines.extend(f"  {line}" for line in self.step_paths)
         for i, names in enumerate(self.kept_fp32):
             label = f"model {i}" if len(self.kept_fp32) > 1 else "model"
             lines.append(f"  {label} modules kept fp32: {', '.join(names) if names else 'none'}")
@@ -90,13 +97,25 @@ def build_report(run, models: Sequence[torch.nn.Module],
     masters = [p for opt in optimizers for g in opt.param_groups for p in g["params"]
                if p in run.model_of]
     grads = [p.grad for p in params] + [p.grad for p in masters]
+    state = [v for opt in optimizers for per_param in opt.state.values()
+             for v in per_param.values() if isinstance(v, torch.Tensor)]
+    tensors = {"parameters": _tally(params), "gradients": _tally(grads),
+               "master weights": _tally(masters), "optimizer state": _tally(state)}
+    elements = sum(p.numel() for p in {id(p): p for p in params}.values())
+    held = sum(nbytes for per_dtype in tensors.values() for _, nbytes in per_dtype.values())
+    paths = []
+    for i, opt in enumerate(optimizers):
+        amp_opt = getattr(opt, "_apex_lite_amp", None)
+        if amp_opt is not None:
+            paths.append(f"optimizer {i} ({type(opt).__name__}): {amp_opt.path.describe()}")
     devices = sorted({str(p.device) for p in params})
     kept = [run.kept_fp32[run.models.index(m)] if m in run.models else [] for m in models]
     return AmpReport(
         opt_level=run.properties.opt_level,
         half_dtype=run.properties.half_dtype,
-        tensors={"parameters": _tally(params), "gradients": _tally(grads),
-                 "master weights": _tally(masters)},
+        tensors=tensors,
+        bytes_per_parameter=held / elements if elements else 0.0,
+        step_paths=paths,
         kept_fp32=kept,
         backends={d: multi_tensor.backend(torch.device(d)) for d in devices},
         not_multiple_of_8=_dimension_lines(models),

@@ -13,7 +13,7 @@ floating tensors of fp32/fp16/bf16, matching shapes, ``found_inf`` a 1-element f
 """
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import List, Sequence, Tuple, Union
 
 import torch
 
@@ -28,11 +28,14 @@ def _as_fp32(tensors: Tensors) -> List[torch.Tensor]:
     return out
 
 
-def _check_and_scale_(tensors: List[torch.Tensor], scale: float, found_inf: torch.Tensor) -> None:
-    """In place ``t *= scale`` in fp32 opmath, flagging non-finite elements (torch's fused op)."""
+def _check_and_scale_(tensors: List[torch.Tensor], scale: Union[float, torch.Tensor],
+                      found_inf: torch.Tensor) -> None:
+    """In place ``t *= scale`` in fp32 opmath, flagging non-finite elements (torch's fused op).
+    ``scale`` may be a 1-element fp32 tensor on the device (amp's device-side loss scale)."""
     if not tensors:
         return
-    factor = torch.full((1,), scale, dtype=torch.float32, device=found_inf.device)
+    factor = scale if isinstance(scale, torch.Tensor) else \
+        torch.full((1,), scale, dtype=torch.float32, device=found_inf.device)
     torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_inf, factor)
 
 

@@ -1,0 +1,269 @@
+"""How an optimizer's step is applied under amp: the seam between the unfused and the fused step.
+
+Each amp optimizer has one step path, chosen by ``initialize`` (``choose``):
+
+- ``UnfusedStep``: the end of every ``scale_loss`` unscales the new gradients (under O2 into the
+  masters' fp32 gradients), ``step()`` runs the optimizer's own ``step()`` and, under O2, rounds
+  the masters into the half model. Any optimizer, any opt level.
+- ``FusedStep`` (O2, and an optimizer whose update ``apex_lite.optimizers`` computes): the end of
+  the first ``scale_loss`` of a step only checks the gradients for inf/NaN (read-only, into the
+  overflow flag) and leaves them scaled (CHECKED); ``step()`` is one kernel pass per bucket that
+  reads the half gradient, unscales it, updates the fp32 master and the optimizer's state, and
+  writes the rounded half parameter, and changes nothing where the step's ``found_inf`` flag is
+  set. No fp32 master gradient is held, and with the loss scale on the device (every optimizer of
+  the run fused) nothing is read on the host. A second backward before the step, or
+  ``amp.master_params``, unscales the CHECKED gradients into fp32 master gradients (UNSCALED) and
+  the step reads those.
+
+Both paths share ``AmpOptimizer``'s bookkeeping: what accumulates, what ``step()`` refuses, which
+optimizer skips. A path decides three things only: what the end of a ``scale_loss`` does with the
+new gradients (``end_backward``), how ``step()`` applies them (``apply``), and how the masters get
+true gradients on request (``materialize``, ``clip_grad_norm_``).
+
+Why only O2: at O1 the fused step would leave the model's ``.grad`` scaled after ``scale_loss``,
+where apex and the unfused step leave true gradients that user code clips and reads; at O3 torch
+keeps a half parameter's optimizer state in half, the kernels in fp32 (a different optimizer).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from ..multi_tensor._backend import ops_for
+from ..optimizers import amp_kernels
+from .optimizer import CHECKED, CLEAN, SCALED, UNSCALED, fused_scale, flag_nonfinite
+from .scaler import BackwardScale
+
+
+def choose(optimizer: torch.optim.Optimizer, index: int, properties,
+           fused_step: Optional[bool]) -> Tuple[Optional[amp_kernels.Update], str]:
+    """``(update, "")`` when optimizer ``index`` takes the fused step, ``(None, why not)`` when
+    it takes the unfused one; raises when ``fused_step=True`` and it cannot."""
+    if fused_step is False:
+        return None, "fused_step=False"
+    if properties.opt_level != "O2" or not properties.master_weights:
+        why = (f"the fused step runs at O2 (fp32 master weights), not at "
+               f"{properties.opt_level}{'' if properties.master_weights else ' without them'}")
+        update = None
+    else:
+        update, why = amp_kernels.update_for(optimizer)
+    if update is None and fused_step:
+        raise ValueError(f"fused_step=True, but optimizer {index} ({type(optimizer).__name__}) "
+                         f"cannot take the fused step: {why}. Pass fused_step=None to use it "
+                         f"where it applies, or fused_step=False for the unfused step.")
+    return update, why
+
+
+class UnfusedStep:
+    """Unscale at the end of ``scale_loss``; the optimizer's own ``step()``; O2's copy back."""
+
+    fused = False
+
+    def __init__(self, why: str):
+        self.why = why
+
+    def describe(self) -> str:
+        return f"unfused step ({self.why})"
+
+    def end_backward(self, amp_opt, stash, scale: BackwardScale, check) -> None:
+        amp_opt.unscale(stash, scale, check)
+
+    def apply(self, amp_opt, found_inf: Optional[torch.Tensor]):
+        # found_inf is None: a host decision (some optimizer of the run is unfused) let it step.
+        result = amp_opt._original_step()
+        amp_opt.copy_masters_to_model()
+        return result
+
+    def materialize(self, amp_opt) -> None:
+        pass   # the masters' gradients are true values already
+
+    def clip_grad_norm_(self, amp_opt, max_norm: float, norm_type: float) -> torch.Tensor:
+        return _clip_master_grads(amp_opt, max_norm, norm_type)
+
+    def forget(self) -> None:
+        pass
+
+    def invalidate(self) -> None:
+        pass
+
+
+def _clip_master_grads(amp_opt, max_norm: float, norm_type: float) -> torch.Tensor:
+    """torch's clip_grad_norm_ over the masters' (true) gradients."""
+    params = [p for p in amp_opt.masters() if p.grad is not None]
+    return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+
+
+class _Bucket:
+    """The parameters of one param group on one device that the kernel takes in one call: all O2
+    pairs (half model parameters written), or all parameters that are their own masters."""
+
+    def __init__(self, group: dict, device: torch.device, with_half: bool):
+        self.group = group
+        self.device = device
+        self.with_half = with_half
+        self.masters: List[torch.Tensor] = []     # what the optimizer updates (fp32)
+        self.sources: List[torch.Tensor] = []     # the model parameters whose .grad feeds them
+
+
+class FusedStep:
+    """A read-only check at the end of ``scale_loss``; one kernel pass per bucket at ``step()``."""
+
+    fused = True
+
+    def __init__(self, optimizer: torch.optim.Optimizer,
+                 model_of: Dict[torch.Tensor, torch.Tensor], update: "amp_kernels.Update"):
+        self.optimizer = optimizer
+        self.model_of = model_of
+        self.update = update
+        # amp.clip_grad_norm_ before this step: (coefficient, non-finite norm) device tensors.
+        self.clip: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        self._buckets: Optional[List[_Bucket]] = None
+        self._built_for: Tuple[int, int] = (0, 0)
+        self._scalars: Dict[Tuple[torch.device, str], torch.Tensor] = {}
+
+    def describe(self) -> str:
+        return "fused step"
+
+    # ---- the end of scale_loss ----------------------------------------------------------------
+    def end_backward(self, amp_opt, stash, scale: BackwardScale, check) -> None:
+        if amp_opt.grad_state not in (CLEAN, SCALED):
+            amp_opt.unscale(stash, scale, check)   # adding to materialised fp32 gradients
+            return
+        for device, group in amp_opt.groups().items():
+            grads = [p.grad for p in group.model_params if p.grad is not None]
+            if grads:
+                flag_nonfinite(grads, check.found_inf(amp_opt, device))
+        amp_opt.grad_state = CHECKED
+        amp_opt.pending = scale
+
+    # ---- step() -----------------------------------------------------------------------------
+    def apply(self, amp_opt, found_inf: Optional[torch.Tensor]) -> None:
+        """The update, one kernel call per bucket. ``found_inf``: the device decision (1: skip),
+        or None when the host decided to step. Reads CHECKED gradients (scaled) from the model
+        parameters, UNSCALED ones from the masters; CLEAN: the zeros zero_grad(set_to_none=False)
+        left, which torch's optimizers step on too."""
+        from_masters = amp_opt.grad_state == UNSCALED
+        inv = amp_opt.pending.inv if amp_opt.grad_state == CHECKED else 1.0
+        clip, self.clip = self.clip, None
+        for bucket in self.buckets():
+            grads_from = bucket.masters if from_masters else bucket.sources
+            grads = [p.grad for p in grads_from]
+            masters, sources = bucket.masters, bucket.sources
+            if any(g is None for g in grads):   # parameters this step's backwards did not reach
+                chosen = [i for i, g in enumerate(grads) if g is not None]
+                if not chosen:
+                    continue
+                grads = [grads[i] for i in chosen]
+                masters = [masters[i] for i in chosen]
+                sources = [sources[i] for i in chosen]
+            inv_scale = self._scalar(bucket.device, "inv_scale", inv)
+            flag = self._scalar(bucket.device, "found_inf", 0.0) if found_inf is None \
+                else found_inf.to(bucket.device)
+            if clip is not None:   # amp.clip_grad_norm_: folded in on the device
+                inv_scale = inv_scale * clip[0].to(bucket.device)
+                flag = torch.maximum(flag, clip[1].to(bucket.device))
+            with torch.no_grad():
+                self.update(bucket.group, masters, grads, sources if bucket.with_half else [],
+                            self.optimizer.state, inv_scale, flag)
+
+    def _scalar(self, device: torch.device, name: str, value) -> torch.Tensor:
+        """``value`` as a 1-element fp32 tensor on ``device``: a device tensor as it is, a host
+        float in a tensor reused between steps (filled without a sync)."""
+        if isinstance(value, torch.Tensor):
+            return value.to(device)
+        key = (device, name)
+        tensor = self._scalars.get(key)
+        if tensor is None:
+            tensor = self._scalars[key] = torch.empty(1, dtype=torch.float32, device=device)
+        return tensor.fill_(value)
+
+    def buckets(self) -> List[_Bucket]:
+        """Built once per parameter set: rebuilt when ``param_groups`` or ``state`` is replaced
+        (``load_state_dict``) or amp says so (``invalidate``: ``add_param_group``)."""
+        signature = (id(self.optimizer.param_groups), id(self.optimizer.state))
+        if self._buckets is None or self._built_for != signature:
+            buckets: Dict[Tuple[int, torch.device, bool], _Bucket] = {}
+            seen = set()
+            for index, group in enumerate(self.optimizer.param_groups):
+                for master in group["params"]:
+                    if id(master) in seen:
+                        continue
+                    seen.add(id(master))
+                    source = self.model_of.get(master, master)
+                    key = (index, master.device, source is not master)
+                    bucket = buckets.get(key)
+                    if bucket is None:
+                        bucket = buckets[key] = _Bucket(group, master.device, source is not master)
+                    bucket.masters.append(master)
+                    bucket.sources.append(source)
+            self._buckets = list(buckets.values())
+            self._built_for = signature
+        return self._buckets
+
+    # ---- true gradients on request -----------------------------------------------------------
+    def materialize(self, amp_opt) -> None:
+        """CHECKED -> UNSCALED: unscale the pending gradients (already checked) into the masters'
+        fp32 gradients, an O2 master's in a reused buffer, an fp32 parameter's in place; a clip
+        coefficient of ``clip_grad_norm_`` is applied with it."""
+        if amp_opt.grad_state != CHECKED:
+            return
+        inv = amp_opt.pending.inv
+        clip, self.clip = self.clip, None
+        for device, group in amp_opt.groups().items():
+            factor = inv if clip is None else \
+                (torch.as_tensor(inv, dtype=torch.float32, device=device).reshape(1)
+                 * clip[0].to(device))
+            sink = group.scratch_flag()
+            own = [p.grad for p in group.own_masters if p.grad is not None]
+            if own:
+                fused_scale(own, own, factor, sink)
+            halves, outs = [], []
+            for model_param, master, buffer in zip(group.half_models, group.half_masters,
+                                                   group.master_grad_buffers()):
+                if model_param.grad is not None:
+                    master.grad = buffer
+                    halves.append(model_param.grad)
+                    outs.append(buffer)
+            if halves:
+                fused_scale(halves, outs, factor, sink)
+        amp_opt.grad_state = UNSCALED
+        amp_opt.pending = None
+
+    def clip_grad_norm_(self, amp_opt, max_norm: float, norm_type: float) -> torch.Tensor:
+        """On CHECKED gradients and the 2-norm: one fused norm over the scaled gradients, the
+        clip coefficient folded into the step's inverse scale (nothing written, no host read); a
+        non-finite norm skips the step. Otherwise the gradients are materialised and clipped as
+        torch does."""
+        if amp_opt.grad_state != CHECKED or norm_type != 2.0:
+            amp_opt.materialize_master_grads()
+            return _clip_master_grads(amp_opt, max_norm, norm_type)
+        squares = []
+        anchor: Optional[torch.device] = None
+        for device, group in amp_opt.groups().items():
+            grads = [p.grad for p in group.model_params if p.grad is not None]
+            if grads:
+                total, _ = ops_for(device).l2norm(grads, False)
+                anchor = device if anchor is None else anchor
+                squares.append(total.to(anchor).square())
+        if anchor is None:
+            return torch.zeros((), dtype=torch.float32)
+        inv = amp_opt.pending.inv
+        norm = torch.cat(squares).sum().sqrt() * (inv.to(anchor).reshape(())
+                                                 if isinstance(inv, torch.Tensor) else inv)
+        if self.clip is not None:   # a second clip before the step sees the first one's result
+            norm = norm * self.clip[0].to(anchor).reshape(())
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0).reshape(1)
+        nonfinite = torch.isfinite(norm).logical_not().to(torch.float32).reshape(1)
+        if self.clip is not None:
+            coef = coef * self.clip[0].to(anchor)
+            nonfinite = torch.maximum(nonfinite, self.clip[1].to(anchor))
+        self.clip = (coef, nonfinite)
+        return norm
+
+    def forget(self) -> None:
+        self.clip = None
+
+    def invalidate(self) -> None:
+        self._buckets = None
+

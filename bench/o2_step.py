@@ -1,0 +1,162 @@
+"""What O2 costs in the optimizer phase: time and memory of backward + step, against fp32.
+
+The model is parameter-heavy with a trivial forward (the loss is 1e-3 times the sum of all
+weights), so a step is the gradient write and the optimizer update: what O2's master weights,
+loss scaling and fused step change. Each variant runs in its own process (peak memory is a
+process's), in turn:
+
+  fp32 AdamW(fused)    torch.optim.AdamW(fused=True) on fp32 parameters: the baseline
+  O2 AdamW             amp O2 with torch.optim.AdamW: amp's fused step (the default)
+  O2 AdamW unfused     the same with fused_step=False: fp32 master gradients, torch's step
+  O2 FusedAdam         amp O2 with apex_lite.optimizers.FusedAdam
+  fp32 SGD(fused)      torch.optim.SGD(fused=True), no momentum, on fp32 parameters
+  O2 SGD               amp O2 with torch.optim.SGD: the fused step
+  O2 SGD unfused       fused_step=False
+
+Reported per variant: the median ms of backward + step over the timed steps, the growth of the
+process's peak resident memory from before the model was built to the end, and both as ratios
+to the fp32 baseline of the same optimizer family, measured in this run. Targets (issue 9): O2
+with either AdamW no slower than 1.1x fp32 fused AdamW and no more than 1.0x its peak memory;
+with SGD without momentum, O2 memory <= fp32's.
+
+    python bench/o2_step.py                     # 8M parameters in 200 tensors, ~1 min
+    python bench/o2_step.py --tensors 4000      # the many-small-tensors case
+    python bench/o2_step.py --smoke             # seconds: keeps this file working
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+VARIANTS = ["fp32 AdamW(fused)", "O2 AdamW", "O2 AdamW unfused", "O2 FusedAdam",
+            "fp32 SGD(fused)", "O2 SGD", "O2 SGD unfused"]
+BASELINE = {"AdamW": "fp32 AdamW(fused)", "FusedAdam": "fp32 AdamW(fused)",
+            "SGD": "fp32 SGD(fused)"}
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux: KiB
+
+
+def _cpu_line() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+        model = next((l.split(":", 1)[1].strip() for l in text.splitlines()
+                      if l.startswith("model name")), "?")
+        flags = [flag for flag in ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+                 if f" {flag}" in text]
+    except OSError:
+        model, flags = "?", []
+    return (f"{model}; flags {' '.join(flags) or '-'}; torch {torch.__version__}, capability "
+            f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads")
+
+
+def run_variant(name: str, args) -> dict:
+    """Build the model and optimizer of ``name``, time its steps; in this process."""
+    from apex_lite import amp
+    torch.set_num_threads(args.threads)
+    base_rss = _peak_rss_bytes()
+    size = args.params // args.tensors
+    generator = torch.Generator().manual_seed(0)
+    params = torch.nn.ParameterList(
+        torch.nn.Parameter(0.01 * torch.randn(size, generator=generator))
+        for _ in range(args.tensors))
+    model = torch.nn.Module()
+    model.params = params
+    if "AdamW" in name or "FusedAdam" in name:
+        if name.startswith("fp32"):
+            opt = torch.optim.AdamW(params.parameters(), lr=1e-4, fused=True)
+        elif "FusedAdam" in name:
+            from apex_lite.optimizers import FusedAdam
+            opt = FusedAdam(params.parameters(), lr=1e-4)
+        else:
+            opt = torch.optim.AdamW(params.parameters(), lr=1e-4)
+    else:
+        opt = torch.optim.SGD(params.parameters(), lr=1e-4,
+                              **({"fused": True} if name.startswith("fp32") else {}))
+    o2 = name.startswith("O2")
+    if o2:
+        model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0,
+                                    fused_step=False if name.endswith("unfused") else None)
+    tensors = tuple(model.params)
+
+    def forward():
+        return torch.stack([t.sum() for t in tensors]).float().sum() * 1e-3
+
+    times = []
+    for i in range(args.warmup + args.steps):
+        opt.zero_grad(set_to_none=True)
+        loss = forward()
+        start = time.perf_counter()
+        if o2:
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+        else:
+            loss.backward()
+        opt.step()
+        elapsed = time.perf_counter() - start
+        if i >= args.warmup:
+            times.append(elapsed)
+    if o2:
+        amp.loss_scalers()   # the host catches up: its cost is not hidden past the end
+    path = opt._apex_lite_amp.path.describe() if o2 else "torch"
+    return {"variant": name, "ms": 1e3 * statistics.median(times),
+            "peak_mib": (_peak_rss_bytes() - base_rss) / 2 ** 20, "path": path}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--params", type=int, default=8_000_000)
+    parser.add_argument("--tensors", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, to test the script")
+    parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--variant", help=argparse.SUPPRESS)   # the child process's job
+    args = parser.parse_args()
+    if args.smoke:
+        args.params, args.tensors, args.steps, args.warmup = 20_000, 20, 3, 1
+    if args.variant:
+        print(json.dumps(run_variant(args.variant, args)))
+        return
+
+    print(f"bench/o2_step.py: {args.params:,} parameters in {args.tensors} tensors, backward + "
+          f"step, median of {args.steps} steps, each variant in its own process")
+    print(f"cpu: {_cpu_line()}")
+    results = {}
+    for name in args.variants.split(","):
+        child = [sys.executable, __file__, "--variant", name, "--params", str(args.params),
+                 "--tensors", str(args.tensors), "--steps", str(args.steps), "--warmup",
+                 str(args.warmup), "--threads", str(args.threads)]
+        out = subprocess.run(child, capture_output=True, text=True)
+        if out.returncode != 0:
+            print(f"{name}: failed\n{out.stderr[-2000:]}")
+            continue
+        results[name] = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"\n{'variant':20s} {'ms/step':>9s} {'x fp32':>7s} {'peak MiB':>9s} {'x fp32':>7s}  "
+          f"path")
+    for name, r in results.items():
+        family = next(key for key in BASELINE if key in name)
+        base = results.get(BASELINE[family])
+        ratio_t = f"{r['ms'] / base['ms']:.2f}" if base else "-"
+        ratio_m = f"{r['peak_mib'] / base['peak_mib']:.2f}" if base and base['peak_mib'] else "-"
+        print(f"{name:20s} {r['ms']:9.2f} {ratio_t:>7s} {r['peak_mib']:9.1f} {ratio_m:>7s}  "
+              f"{r['path']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"cpu": _cpu_line(), "params": args.params, "tensors": args.tensors,
+                       "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
