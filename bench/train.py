@@ -249,8 +249,8 @@ class Trainer:
         if self.scaler is not None:
             return float(self.scaler.get_scale())
         if self.amp is not None:
-            # A host value: reading it costs no sync (amp.state_dict() would also clone the O2
-            # master weights, inflating O2's peak memory).
+            # Read after the timed step: on the fused O2 step it syncs with the device.
+            # (amp.state_dict() would also clone the O2 master weights, inflating O2's peak.)
             return float(self.amp.loss_scalers()[0].loss_scale)
         return 1.0
 

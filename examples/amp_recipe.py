@@ -164,7 +164,8 @@ def train(opt_level, data, args, device, memory: PeakMemory, log: bool = True) -
                 torch.cuda.synchronize(device)
             step_ms.append((time.perf_counter() - start) * 1e3)
             losses.append(loss.item())
-            # The scale the next step uses: a host value, no sync (1.0 where nothing scales).
+            # The scale the next step uses (1.0 where nothing scales), read after the timed
+            # step: on the fused O2 step reading it syncs with the device.
             loss_scales.append(amp.loss_scalers()[0].loss_scale if opt_level else 1.0)
         step_losses += losses
         epoch_losses.append(statistics.fmean(losses))
@@ -197,7 +198,7 @@ def what_the_figures_mean(device: torch.device, half_dtype: torch.dtype) -> str:
         # Tensor cores: fp16 from Volta (sm_70), bf16 from Ampere (sm_80).
         if major >= (8 if half_dtype == torch.bfloat16 else 7):
             return (f"Here: {name} (sm_{major}{minor}) runs {half} matmuls on tensor cores, so "
-                    f"O1-O3 beat fp32 at the recipe's sizes (--full); at the small default "
+                    f"O1-O3 should beat fp32 at the recipe's sizes (--full); at the small default "
                     f"sizes kernel launches, not arithmetic, set the step time.")
         return (f"Here: {name} (sm_{major}{minor}) has no {half} tensor cores: expect memory "
                 f"savings from O1-O3, not speed.")
@@ -308,8 +309,8 @@ def print_table(rows, args, device) -> None:
         f"ms/step: median over all {args.epochs * args.batches} steps; speed-up: default "
         f"precision's ms/step over the row's. peak MiB: the run's peak {where} above what was "
         f"held before it. The fp32 weights are {weights_mib:.1f} MiB; O2 keeps fp32 master "
-        f"weights beside the half model, so it saves memory only where activations outweigh "
-        f"weights.",
+        f"weights beside the half model, so it saves activation memory, not weight memory, "
+        f"and activations are small at these sizes.",
         f"Loss: MSE against the teacher's targets (about 1.0 untrained). train loss ep N: the "
         f"mean over epoch N's {args.batches} batches. held-out loss: after the last epoch, on "
         f"{HELD_OUT_ROWS} inputs never trained on.",
