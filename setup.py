@@ -198,7 +198,9 @@ def main():
         description="Mixed-precision training for PyTorch with apex.amp's API",
         packages=find_packages(include=["apex_lite", "apex_lite.*"]),
         python_requires=">=3.9",
-        install_requires=["torch>=2.3"],
+        # numpy: torch warns "Failed to initialize NumPy" at import without it.
+        install_requires=["torch>=2.3", "numpy"],
+        extras_require={"plot": ["matplotlib"]},   # --plot of examples/ and bench/
         ext_modules=ext_modules,
         cmdclass=cmdclass,
     )

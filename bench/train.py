@@ -20,7 +20,9 @@ How it measures:
   variant), compared with fp32's.
 
 Output: a table on stdout, a JSON file, and a PNG (step times, loss curves, loss-scale
-histories) when matplotlib can be imported; without it the plot is skipped with a log line.
+histories) when matplotlib can be imported. Without matplotlib, `--plot PATH` stops before any
+work with the command that installs it; without `--plot`, a warning says that no plot was
+written and why.
 
     python bench/train.py                       # CPU sizes, a few minutes on 2 cores
     python bench/train.py --device cuda         # the recipe's full sizes (batch 512, 4096 wide)
@@ -41,7 +43,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -52,6 +54,7 @@ LOG = logging.getLogger("apex_lite.bench.train")
 VARIANTS = ("fp32", "autocast", "O1", "O2", "O3")
 WORKLOADS = ("mlp", "cnn", "transformer")
 HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+INSTALL_MATPLOTLIB = 'pip install matplotlib (or pip install ".[plot]" in apex_lite\'s checkout)'
 
 # Sizes per preset. "cpu" runs in a few minutes on 2 cores; "gpu" is the recipe at full size
 # (batch 512, width 4096, 3 layers) and proportionally larger conv net and transformer.
@@ -246,14 +249,9 @@ class Trainer:
         if self.scaler is not None:
             return float(self.scaler.get_scale())
         if self.amp is not None:
-            # amp.state_dict() would clone the O2 master weights every step and so inflate
-            # O2's peak memory; read the scaler through the diagnostic handle when it can.
-            run = getattr(self.amp.default_handle(), "_run", None) \
-                if hasattr(self.amp, "default_handle") else None
-            scalers = getattr(run, "scalers", None)
-            if scalers:
-                return float(scalers[0].loss_scale)
-            return float(self.amp.state_dict()["loss_scaler0"]["loss_scale"])
+            # Read after the timed step: on the fused O2 step it syncs with the device.
+            # (amp.state_dict() would also clone the O2 master weights, inflating O2's peak.)
+            return float(self.amp.loss_scalers()[0].loss_scale)
         return 1.0
 
 
@@ -555,15 +553,22 @@ def check_targets(all_results: Dict[str, Dict[str, dict]], loss_rtol: float) -> 
     return lines
 
 
-def plot(all_results: Dict[str, Dict[str, dict]], path: Path) -> bool:
-    """Step times, loss curves and loss-scale histories, one row per workload."""
+def matplotlib_missing() -> Optional[str]:
+    """Why matplotlib cannot be imported, or None when it can."""
     try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        LOG.warning("matplotlib is not installed; skipping the plot (pip install matplotlib)")
-        return False
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        return str(exc)
+    return None
+
+
+def plot(all_results: Dict[str, Dict[str, dict]], path: Path) -> List[str]:
+    """Step times, loss curves and loss-scale histories, one row per workload; returns the
+    panels' titles, read back from the figure."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     rows = len(all_results)
     fig, axes = plt.subplots(rows, 3, figsize=(15, 3.6 * rows), squeeze=False)
     for row, (workload, results) in enumerate(all_results.items()):
@@ -571,7 +576,7 @@ def plot(all_results: Dict[str, Dict[str, dict]], path: Path) -> bool:
         medians = [results[v]["median_ms"] for v in names]
         ax = axes[row][0]
         ax.bar(names, medians, color=[f"C{i}" for i in range(len(names))])
-        ax.set_title(f"{workload}: median ms/step")
+        ax.set_title(f"{workload}: step time, median ms/step")
         ax.set_ylabel("ms")
         for i, v in enumerate(names):
             ax.plot([i] * len(results[v]["times_ms"]), results[v]["times_ms"], "k.", ms=2)
@@ -590,8 +595,9 @@ def plot(all_results: Dict[str, Dict[str, dict]], path: Path) -> bool:
         ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
+    titles = [ax.get_title() for ax in fig.axes]
     plt.close(fig)
-    return True
+    return titles
 
 
 def parse_args(argv=None):
@@ -619,7 +625,9 @@ def parse_args(argv=None):
                    help="tolerance on O1/O2 final loss relative to fp32 (default 0.05)")
     p.add_argument("--json", type=Path, help="where to write the results (default: "
                    "bench/results/train_<device>[_smoke].json)")
-    p.add_argument("--plot", type=Path, help="where to write the PNG (default: beside the JSON)")
+    p.add_argument("--plot", type=Path,
+                   help="where to write the PNG of step times, loss curves and loss scales "
+                        "(needs matplotlib; default: beside the JSON when matplotlib is installed)")
     args = p.parse_args(argv)
     if args.smoke:
         args.preset = "smoke"
@@ -643,6 +651,10 @@ def main(argv=None) -> int:
             parser.error(f"unknown {name}(s) {unknown}; choose from {', '.join(valid)}")
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda given but torch.cuda.is_available() is False")
+    no_matplotlib = matplotlib_missing()
+    if args.plot and no_matplotlib:
+        parser.error(f"--plot needs matplotlib, which cannot be imported here ({no_matplotlib}). "
+                     f"Install it with: {INSTALL_MATPLOTLIB}, or drop --plot.")
     LOG.info("preset %s on %s, half dtype %s, %d thread(s); variants %s",
              args.preset, args.device, args.half_dtype, args.threads, ", ".join(variants))
     n = 64 if args.preset == "smoke" else 512
@@ -675,9 +687,13 @@ def main(argv=None) -> int:
     }
     json_path.write_text(json.dumps(record, indent=1))
     LOG.info("wrote %s", json_path)
-    plot_path = args.plot or json_path.with_suffix(".png")
-    if plot(all_results, plot_path):
-        LOG.info("wrote %s", plot_path)
+    if no_matplotlib:
+        LOG.warning("no plot written: matplotlib cannot be imported (%s); %s and pass --plot "
+                    "PATH for step times, loss curves and loss scales", no_matplotlib,
+                    INSTALL_MATPLOTLIB)
+    else:
+        plot_path = args.plot or json_path.with_suffix(".png")
+        LOG.info("wrote %s (panels: %s)", plot_path, "; ".join(plot(all_results, plot_path)))
     return 0
 
 

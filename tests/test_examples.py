@@ -6,6 +6,7 @@ slowest script rather than their sum.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -21,7 +22,11 @@ TIMEOUT_S = 240
 
 SCRIPTS = {
     "amp_recipe": ["examples/amp_recipe.py", "--device", "cpu", "--batch-size", "16",
-                   "--width", "32", "--batches", "2", "--epochs", "2", "--threads", "1"],
+                   "--width", "32", "--batches", "8", "--epochs", "3", "--threads", "1"],
+    # + --plot, per run
+    # --plot given without matplotlib: both scripts stop at once, saying how to install it.
+    "amp_recipe_no_matplotlib": ["examples/amp_recipe.py", "--plot", "never.png"],
+    "train_no_matplotlib": ["bench/train.py", "--smoke", "--plot", "never.png"],
     "cnn_batchnorm": ["examples/cnn_batchnorm.py", "--device", "cpu", "--steps", "30",
                       "--batch-size", "16", "--image-size", "8", "--channels", "8,16",
                       "--noise", "0.5", "--threads", "1"],
@@ -34,8 +39,10 @@ SCRIPTS = {
     "distributed": ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                     "examples/distributed.py", "--steps", "20", "--width", "32"],
     "step_overhead": ["bench/step_overhead.py", "--smoke", "--threads", "1"],
-    "train_smoke": ["bench/train.py", "--smoke", "--threads", "1"],   # + --json, per run
+    "train_smoke": ["bench/train.py", "--smoke", "--threads", "1"],   # + --json --plot, per run
 }
+# A stand-in for matplotlib that fails to import, put first on these scripts' path.
+WITHOUT_MATPLOTLIB = {"amp_recipe_no_matplotlib", "train_no_matplotlib"}
 
 NUMBER = r"([-+]?(?:\d+\.?\d*(?:e[-+]?\d+)?|nan|inf))"
 
@@ -46,11 +53,20 @@ def runs(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("example_runs")
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"
+    blocker = out_dir / "no_matplotlib" / "matplotlib"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text('raise ImportError("blocked by test_examples.py")\n')
+    extras = {"amp_recipe": ["--plot", str(out_dir / "amp_recipe.png")],
+              "train_smoke": ["--json", str(out_dir / "train.json"),
+                              "--plot", str(out_dir / "train.png")]}
     processes = {}
     for name, argv in SCRIPTS.items():
-        extra = ["--json", str(out_dir / "train.json")] if name == "train_smoke" else []
-        processes[name] = subprocess.Popen([sys.executable, *argv, *extra], cwd=REPO_ROOT,
-                                           env=env, stdout=subprocess.PIPE,
+        run_env = env
+        if name in WITHOUT_MATPLOTLIB:
+            run_env = dict(env, PYTHONPATH=os.pathsep.join(
+                [str(blocker.parent)] + [p for p in [env.get("PYTHONPATH")] if p]))
+        processes[name] = subprocess.Popen([sys.executable, *argv, *extras.get(name, [])],
+                                           cwd=REPO_ROOT, env=run_env, stdout=subprocess.PIPE,
                                            stderr=subprocess.PIPE, text=True)
     finished = {}
 
@@ -87,19 +103,100 @@ def _row(stdout: str, label: str, columns: int):
     return [float(v) for v in match.groups()]
 
 
-@pytest.mark.parametrize("label", ["default precision", "O0", "O1", "O2", "O3"])
+RECIPE_LEVELS = ["default precision", "O0", "O1", "O2", "O3"]
+
+
+@pytest.mark.parametrize("label", RECIPE_LEVELS)
 def test_amp_recipe_table_row(runs, label):
+    """Every level learns the teacher's map: the last epoch's loss is well below the first's."""
     stdout, _ = _ok(runs, "amp_recipe")
-    ms_per_step, speedup, peak_mib, final_loss = _row(stdout, label, 4)
+    ms_per_step, speedup, peak_mib, first_epoch, last_epoch, held_out = _row(stdout, label, 6)
     assert ms_per_step > 0 and speedup > 0
-    assert math.isfinite(final_loss) and final_loss > 0
     assert math.isfinite(peak_mib)   # resident-set peak is measured on Linux
+    assert 0.8 < first_epoch < 1.2   # an untrained network, unit-variance targets
+    assert last_epoch < 0.95 * first_epoch
+    assert math.isfinite(held_out) and held_out < first_epoch
 
 
 def test_amp_recipe_o0_matches_default_precision(runs):
     """O0 is fp32 with a loss scale of 1: the same arithmetic as the plain loop."""
     stdout, _ = _ok(runs, "amp_recipe")
-    assert _row(stdout, "O0", 4)[3] == _row(stdout, "default precision", 4)[3]
+    assert _row(stdout, "O0", 6)[3:] == _row(stdout, "default precision", 6)[3:]
+
+
+def test_amp_recipe_says_what_columns_and_figures_mean(runs):
+    stdout, _ = _ok(runs, "amp_recipe")
+    header = next(line for line in stdout.splitlines() if line.startswith("opt level"))
+    for column in ("ms/step", "speed-up", "peak MiB", "train loss ep 1", "train loss ep 3",
+                   "held-out loss"):
+        assert column in header
+    text = " ".join(stdout.split())   # the notes are wrapped
+    assert "train loss ep N: the mean over epoch N's 8 batches" in text
+    assert "held-out loss: after the last epoch, on 512 inputs never trained on" in text
+    recipe = _load_script("examples/amp_recipe.py")
+    import torch
+    assert recipe.what_the_figures_mean(torch.device("cpu"), torch.bfloat16) in text
+
+
+def _load_script(relative: str):
+    """A script of the repository imported as a module (its main() does not run)."""
+    spec = importlib.util.spec_from_file_location(Path(relative).stem, REPO_ROOT / relative)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("flags,expected", [
+    ({"avx2", "avx512_bf16"}, "avx512_bf16: bf16 matmuls run on its bf16 units"),
+    ({"avx2", "amx_bf16", "amx_tile"}, "amx_bf16: bf16 matmuls run on its bf16 units"),
+    ({"avx2", "fma"}, "but no avx512_bf16/amx_bf16: torch runs bf16 matmuls through slow "
+                      "fallbacks"),
+    (None, "no /proc/cpuinfo"),
+])
+def test_amp_recipe_machine_line_follows_the_cpu(monkeypatch, flags, expected):
+    import torch
+    recipe = _load_script("examples/amp_recipe.py")
+    monkeypatch.setattr(recipe, "cpu_flags", lambda: flags)
+    line = recipe.what_the_figures_mean(torch.device("cpu"), torch.bfloat16)
+    assert expected in line and torch.backends.cpu.get_cpu_capability() in line
+
+
+def _check_png(path: Path, stderr: str, panels: list) -> None:
+    """The PNG exists, opens with matplotlib's reader, and the script drew the panels."""
+    image = pytest.importorskip("matplotlib.image")
+    assert path.stat().st_size > 0
+    pixels = image.imread(path)
+    assert pixels.ndim == 3 and pixels.shape[0] > 100 and pixels.shape[1] > 100
+    drawn = re.search(rf"wrote {re.escape(str(path))} \(panels: (.*)\)$", stderr, re.MULTILINE)
+    assert drawn, stderr
+    assert drawn.group(1).split("; ") == panels
+
+
+def test_amp_recipe_plot(runs):
+    _, stderr = _ok(runs, "amp_recipe")
+    _check_png(runs.out_dir / "amp_recipe.png", stderr,
+               ["step time: median ms/step", "training loss (MSE per batch)",
+                "loss scale (amp.loss_scalers()[0])"])
+
+
+def test_amp_recipe_plot_function_draws_three_panels(tmp_path):
+    """The plot of made-up results: one panel per figure kind, each curve per level."""
+    pytest.importorskip("matplotlib")
+    recipe = _load_script("examples/amp_recipe.py")
+    rows = [(name, {"ms_per_step": 1.0 + i, "step_losses": [1.0, 0.5, 0.25],
+                    "loss_scales": [2.0 ** 16, 2.0 ** 15, 2.0 ** 15]})
+            for i, name in enumerate(RECIPE_LEVELS)]
+    titles = recipe.plot(rows, tmp_path / "plot.png")
+    assert [t.split(" ")[0] for t in titles] == ["step", "training", "loss"]
+    assert (tmp_path / "plot.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("name", sorted(WITHOUT_MATPLOTLIB))
+def test_plot_without_matplotlib_stops_with_the_install_command(runs, name):
+    code, stdout, stderr = runs(name)
+    assert code == 2, stderr
+    assert "--plot needs matplotlib" in stderr and "pip install matplotlib" in stderr
+    assert not (REPO_ROOT / "never.png").exists()
 
 
 @pytest.mark.parametrize("module,tensor,dtype", [
@@ -156,9 +253,9 @@ def test_train_smoke_table_and_json(runs):
         for r in per_variant.values():
             assert len(r["losses"]) == len(r["scales"]) > len(r["times_ms"]) > 0
             assert r["peak_bytes"] >= r["baseline_bytes"] > 0
-    # The plot is made when matplotlib is importable and skipped, with a log line, when not.
-    png = runs.out_dir / "train.png"
-    assert png.exists() or "matplotlib is not installed" in stderr
+    _check_png(runs.out_dir / "train.png", stderr,
+               [f"{workload}: {panel}" for workload in ("mlp", "cnn", "transformer")
+                for panel in ("step time, median ms/step", "training loss", "loss scale")])
 
 
 def test_distributed_example_trains_on_two_ranks(runs):

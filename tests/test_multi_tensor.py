@@ -486,14 +486,53 @@ def test_disable_ext_forces_python():
         assert mt.backend("cpu") == ("python", "APEX_LITE_DISABLE_EXT=1 is set")
 
 
-def test_fallback_is_logged_once_with_the_reason(monkeypatch, caplog):
+@pytest.mark.parametrize("expected,level", [
+    ("setup.py built apex_lite._C", logging.WARNING),   # asked for, and not there: a problem
+    (None, logging.INFO),                               # a pure-Python install by choice
+])
+def test_fallback_is_logged_once_with_the_reason(monkeypatch, caplog, expected, level):
     monkeypatch.setattr(_native, "ops_for", lambda device_type: (None, "a reason for testing"))
+    monkeypatch.setattr(_native, "native_expected", lambda: expected)
     with _Env(APEX_LITE_DISABLE_EXT=None, APEX_LITE_REQUIRE_EXT=None):
-        with caplog.at_level(logging.WARNING, logger="apex_lite"):
+        with caplog.at_level(logging.DEBUG, logger="apex_lite"):
             assert mt.backend("cpu") == ("python", "a reason for testing")
             mt.scale([torch.ones(3)], [torch.ones(3)], 1.0, torch.zeros(1))
-        warnings = [r for r in caplog.records if "a reason for testing" in r.getMessage()]
-        assert len(warnings) == 1
+        records = [r for r in caplog.records if "a reason for testing" in r.getMessage()]
+        assert [r.levelno for r in records] == [level]
+
+
+def _pretend_never_built(monkeypatch):
+    """No build record and no apex_lite._C: what a plain `pip install .` leaves."""
+    monkeypatch.setitem(sys.modules, "apex_lite._build_info", None)
+    monkeypatch.setitem(sys.modules, "apex_lite._C", None)
+    for name in ("_build_info", "_C"):
+        if hasattr(apex_lite, name):
+            monkeypatch.delattr(apex_lite, name)
+    for name in _native.REQUEST_VARS:
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_pure_python_install_is_named_as_such(monkeypatch):
+    _pretend_never_built(monkeypatch)
+    assert _native.native_expected() is None
+    loaded, why = _native._import_built()
+    assert not loaded and "apex_lite._C was not built (a pure-Python install" in why
+    assert "--cpp_ext" in why
+
+
+@pytest.mark.parametrize("variable", _native.REQUEST_VARS)
+def test_an_environment_variable_asking_for_native_makes_it_expected(monkeypatch, variable):
+    _pretend_never_built(monkeypatch)
+    monkeypatch.setenv(variable, "1")
+    assert _native.native_expected() == f"{variable}=1 is set"
+
+
+def test_a_build_record_makes_native_expected(monkeypatch):
+    _pretend_never_built(monkeypatch)
+    _fake_build_info(monkeypatch)
+    assert "_build_info.py records it" in _native.native_expected()
+    loaded, why = _native._import_built()
+    assert not loaded and "apex_lite._C is not importable" in why
 
 
 def test_require_ext_turns_a_fallback_into_an_error(monkeypatch):

@@ -8,6 +8,8 @@ PY=${PYTHON:-python3}
 
 "$PY" -c "import torch" 2>/dev/null || "$PY" -m pip install "torch==2.13.0"
 "$PY" -c "import pytest" 2>/dev/null || "$PY" -m pip install pytest
+# The examples' and benchmarks' --plot are tested too (tests/test_examples.py).
+"$PY" -c "import matplotlib" 2>/dev/null || "$PY" -m pip install matplotlib
 APEX_LITE_CPP_EXT=1 MAX_JOBS=${MAX_JOBS:-2} "$PY" -m pip install -q --no-build-isolation .
 
 # The tests import the installed package: run them from tests/ so that the source tree's

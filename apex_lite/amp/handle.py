@@ -266,6 +266,22 @@ def _check_model(model: torch.nn.Module, index: int) -> None:
                 f"made from.")
 
 
+def _refuse_sparse_gradients(model: torch.nn.Module, index: int) -> None:
+    """Embeddings built with ``sparse=True`` make sparse gradients, which amp's unscale and
+    inf/NaN check (dense multi-tensor kernels) cannot take: name the parameter now rather than
+    let the first ``scale_loss`` fail inside torch's dispatcher."""
+    for name, module in model.named_modules():
+        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse \
+                and module.weight.requires_grad:
+            param = f"{name}.weight" if name else "weight"
+            raise ValueError(
+                f"{param!r} of model {index} belongs to {type(module).__name__}(..., "
+                f"sparse=True), which makes sparse gradients; amp unscales and checks dense "
+                f"gradients only. Build it with sparse=False (the default: its gradient is then "
+                f"a dense {tuple(module.weight.shape)} tensor), or freeze it with "
+                f"model.{param}.requires_grad_(False) if it is not trained.")
+
+
 def _check_scale_args(num_losses, verbosity, min_loss_scale, max_loss_scale, hysteresis,
                       scale_window, overflow_patience, sync_interval) -> None:
     def positive_int(name, value):
@@ -355,6 +371,7 @@ class AmpHandle:
             raise ValueError("the same model appears twice in models; pass each model once")
         for i, model in enumerate(model_list):
             _check_model(model, i)
+            _refuse_sparse_gradients(model, i)
         device_type = next((p.device.type for m in model_list for p in m.parameters()
                             if p.is_floating_point()), "cpu")
         properties = resolve_properties(

@@ -1,8 +1,10 @@
 """Which implementation serves a device: the native extension ``apex_lite._C`` or the Python one.
 
 The choice is made once per device type and logged once, with the real reason when native is not
-used. ``APEX_LITE_DISABLE_EXT=1`` forces Python; ``APEX_LITE_REQUIRE_EXT=1`` turns a fallback into
-an error.
+used: at INFO for a pure-Python install (what the user chose), at WARNING where native kernels
+were expected (a build that cannot serve the device, an environment variable asking for one).
+``APEX_LITE_DISABLE_EXT=1`` forces Python; ``APEX_LITE_REQUIRE_EXT=1`` turns a fallback into an
+error.
 """
 from __future__ import annotations
 
@@ -28,19 +30,22 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def _native_ops(device_type: str) -> Tuple[Optional[ModuleType], str]:
-    """The native op module for ``device_type``, or None and the reason it cannot be used."""
+def _native_ops(device_type: str) -> Tuple[Optional[ModuleType], str, bool]:
+    """``(ops, why, expected)``: the native op module for ``device_type`` or None and the reason
+    it cannot be used, and whether native kernels were expected here (False: a pure-Python
+    install by choice)."""
     try:
         from . import _native
     except ImportError as exc:  # the loader itself is part of the package; keep the real text
-        return None, f"apex_lite's native loader failed to import: {exc}"
-    return _native.ops_for(device_type)
+        return None, f"apex_lite's native loader failed to import: {exc}", True
+    ops, why = _native.ops_for(device_type)
+    return ops, why, ops is None and _native.native_expected() is not None
 
 
 def _choose(device_type: str) -> Tuple[ModuleType, str, str]:
     if _env_flag("APEX_LITE_DISABLE_EXT"):
         return _python, "python", "APEX_LITE_DISABLE_EXT=1 is set"
-    ops, reason = _native_ops(device_type)
+    ops, reason, expected = _native_ops(device_type)
     if ops is not None:
         return ops, "native", reason
     if _env_flag("APEX_LITE_REQUIRE_EXT"):
@@ -48,8 +53,12 @@ def _choose(device_type: str) -> Tuple[ModuleType, str, str]:
             f"APEX_LITE_REQUIRE_EXT=1 is set but the native multi-tensor kernels cannot serve "
             f"{device_type!r} devices: {reason}. Rebuild with the extension (see the README's "
             f"install flags) or unset APEX_LITE_REQUIRE_EXT to use the Python backend.")
-    logger.warning("apex_lite: native multi-tensor kernels unavailable for %s (%s); "
-                   "using the Python backend (same results, slower).", device_type, reason)
+    if expected:
+        logger.warning("apex_lite: native multi-tensor kernels unavailable for %s (%s); "
+                       "using the Python backend (same results, slower).", device_type, reason)
+    else:
+        logger.info("apex_lite: multi-tensor ops on %s use the Python backend (torch foreach "
+                    "kernels): %s", device_type, reason)
     return _python, "python", reason
 
 

@@ -7,7 +7,7 @@ it is instead compiled on first use from the source tree by torch.utils.cpp_exte
 """
 from __future__ import annotations
 
-import logging
+import importlib.util
 from types import ModuleType, SimpleNamespace
 from typing import Optional, Tuple, Union
 
@@ -15,7 +15,8 @@ import torch
 
 from ._backend import _env_flag
 
-logger = logging.getLogger("apex_lite.multi_tensor")
+# Environment variables that ask for native kernels, at build time or (JIT) at run time.
+REQUEST_VARS = ("APEX_LITE_JIT", "APEX_LITE_CPP_EXT", "APEX_LITE_CUDA_EXT")
 
 OP_NAMES = ("scale_", "scale_out", "axpby_", "axpby_out", "l2norm", "nonfinite_flags",
             "fused_sgd_", "fused_adam_", "fused_lamb_")
@@ -56,6 +57,23 @@ def _cpu_lacks_build_arch() -> Optional[str]:
             f"a portable build")
 
 
+def native_expected() -> Optional[str]:
+    """Why this process expects native kernels, or None for a pure-Python install by choice.
+
+    Expected: setup.py built ``apex_lite._C`` (its record exists), a compiled ``_C`` is present,
+    or an environment variable asks for one. When none holds, the Python backend is what the
+    user installed, so falling back to it is news (INFO), not a problem (WARNING).
+    """
+    for name in REQUEST_VARS:
+        if _env_flag(name):
+            return f"{name}=1 is set"
+    if _build_info() is not None:
+        return "setup.py built apex_lite._C (apex_lite/_build_info.py records it)"
+    if importlib.util.find_spec("apex_lite._C") is not None:
+        return "a compiled apex_lite._C is present"
+    return None
+
+
 def _import_built() -> Tuple[bool, str]:
     lacking = _cpu_lacks_build_arch()
     if lacking:  # importing would run AVX2 instructions in the library's initialisers
@@ -63,6 +81,9 @@ def _import_built() -> Tuple[bool, str]:
     try:
         from apex_lite import _C
     except ImportError as exc:
+        if native_expected() is None:
+            return False, ("apex_lite._C was not built (a pure-Python install; --cpp_ext/"
+                           "--cuda_ext or APEX_LITE_CPP_EXT=1/APEX_LITE_CUDA_EXT=1 build it)")
         mismatch = _version_mismatch()
         reason = f"apex_lite._C is not importable ({exc})"
         if mismatch:

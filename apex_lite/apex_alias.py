@@ -1,0 +1,226 @@
+"""``import apex`` resolved to apex_lite, for code that imports NVIDIA apex itself.
+
+    import apex_lite
+    apex_lite.install_apex_alias()        # before the code that imports apex
+    from apex import amp                  # apex_lite.amp
+    from apex.optimizers import FusedAdam # apex_lite.optimizers.FusedAdam
+
+or, without touching the code: ``python -m apex_lite.apex_alias train.py [args]`` (also
+``-m package.module``). ``python -m apex_lite.apex_alias`` alone installs the alias in its own
+process and prints what each name resolves to.
+
+What it does: puts a stand-in package ``apex`` in ``sys.modules`` and a finder on
+``sys.meta_path`` that maps ``apex.amp[...]`` to ``apex_lite.amp[...]`` and
+``apex.optimizers[...]`` to ``apex_lite.optimizers[...]``. Targets are imported when the alias
+is, not before. The modules are apex_lite's own objects, so ``'state_dict' in amp.__dict__``
+(timm's ApexScaler) holds. Other parts of apex (``apex.parallel``, ``apex.normalization``, ...)
+raise ModuleNotFoundError, an ImportError, naming what torch offers instead, so code that guards
+them with ``try/except ImportError`` takes its non-apex path.
+
+When it refuses (``ApexAliasError``), nothing is changed: a package named ``apex`` is
+importable, or already imported, and is not apex_lite's. Such a package is NVIDIA's when its
+directory holds one of ``NVIDIA_MARKERS`` (files that every NVIDIA apex release has had, before
+and after amp's removal); it is only looked at on disk, never imported (NVIDIA's ``apex``
+imports its CUDA extensions). apex_lite's own installable ``apex`` package (``compat/apex``)
+identifies itself with a ``FORWARDER_MARKER`` file in its directory; with it installed, ``import
+apex`` already gives apex_lite and the alias is not needed.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+import types
+from typing import Dict, List, Optional
+
+# apex's subpackages that apex_lite provides, and where they live in apex_lite.
+TARGETS = {"amp": "apex_lite.amp", "optimizers": "apex_lite.optimizers"}
+# What to use instead of the parts of apex that apex_lite does not provide.
+INSTEAD = {
+    "parallel": "torch.nn.parallel.DistributedDataParallel and torch.nn.SyncBatchNorm",
+    "normalization": "torch.nn.LayerNorm and torch.nn.RMSNorm",
+    "fp16_utils": "apex_lite.amp at O2 (fp32 master weights)",
+    "multi_tensor_apply": "apex_lite.multi_tensor",
+}
+NVIDIA_MARKERS = ("amp/_amp_state.py", "optimizers/fused_adam.py",
+                  "normalization/fused_layer_norm.py")
+FORWARDER_MARKER = "_apex_lite_forwarder.py"
+_ALIAS_ATTRIBUTE = "__apex_lite_alias__"
+
+
+class ApexAliasError(RuntimeError):
+    """Raised by ``install_apex_alias`` when a package named ``apex`` is already there."""
+
+
+def _package_dirs(spec) -> List[str]:
+    if spec.submodule_search_locations:
+        return list(spec.submodule_search_locations)
+    return [os.path.dirname(spec.origin)] if spec.origin else []
+
+
+def _existing_apex() -> Optional[Dict[str, object]]:
+    """The ``apex`` that an import would find, described without importing it, or None."""
+    module = sys.modules.get("apex")
+    if module is not None:
+        if getattr(module, _ALIAS_ATTRIBUTE, False):
+            return {"ours": "alias"}
+        spec = getattr(module, "__spec__", None)
+    else:
+        spec = importlib.util.find_spec("apex")
+        if spec is None:
+            return None
+    dirs = _package_dirs(spec) if spec is not None else []
+    where = ", ".join(dirs) or getattr(module, "__file__", None) or "an unknown location"
+    if any(os.path.exists(os.path.join(d, FORWARDER_MARKER)) for d in dirs):
+        return {"ours": "forwarder", "where": where}
+    found = [marker for d in dirs for marker in NVIDIA_MARKERS
+             if os.path.exists(os.path.join(d, marker))]
+    return {"ours": None, "where": where, "nvidia_markers": found,
+            "imported": module is not None}
+
+
+def _refusal(existing: Dict[str, object]) -> str:
+    where = existing["where"]
+    if existing["nvidia_markers"]:
+        return (f"NVIDIA apex is installed (apex at {where}, which has "
+                f"{', '.join(existing['nvidia_markers'])}); apex_lite will not shadow it, since "
+                f"code importing apex would then get parts of both. To run apex code on "
+                f"apex_lite, uninstall NVIDIA apex (pip uninstall apex) or run without it on "
+                f"the path; to keep using NVIDIA apex, do not install the alias.")
+    state = "is already imported" if existing["imported"] else "is importable"
+    return (f"a package named apex {state} from {where} and it is neither NVIDIA apex nor "
+            f"apex_lite's; apex_lite will not shadow it. Remove it from the path (pip "
+            f"uninstall apex), or import apex_lite directly: from apex_lite import amp.")
+
+
+class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds ``apex.<sub>[...]`` for the subpackages in TARGETS as the apex_lite modules."""
+
+    def __init__(self):
+        self._originals = {}   # alias name -> the target module's own __spec__
+
+    def find_spec(self, fullname, path=None, target=None):
+        parts = fullname.split(".")
+        if parts[0] != "apex" or len(parts) < 2:
+            return None
+        if parts[1] not in TARGETS:
+            hint = INSTEAD.get(parts[1])
+            raise ModuleNotFoundError(
+                f"No module named {fullname!r}: apex_lite's apex alias provides "
+                f"{' and '.join('apex.' + t for t in TARGETS)} only"
+                + (f"; use {hint} instead" if hint else ""), name=fullname)
+        target_name = ".".join([TARGETS[parts[1]]] + parts[2:])
+        try:
+            module = importlib.import_module(target_name)
+        except ModuleNotFoundError as exc:
+            if exc.name is None or not (target_name == exc.name
+                                        or target_name.startswith(exc.name + ".")):
+                raise   # something the target imports is missing: its own message says what
+            raise ModuleNotFoundError(
+                f"No module named {fullname!r}: apex_lite's apex alias maps it to "
+                f"{target_name}, which this apex_lite does not have", name=fullname) from exc
+        self._originals[fullname] = module.__spec__
+        return importlib.util.spec_from_loader(fullname, self,
+                                               is_package=hasattr(module, "__path__"))
+
+    def create_module(self, spec):
+        return sys.modules[self._originals[spec.name].name]
+
+    def exec_module(self, module):
+        # The import system set __spec__ to the alias's spec; the module stays apex_lite's.
+        module.__spec__ = self._originals[module.__spec__.name]
+
+
+def _stand_in() -> types.ModuleType:
+    """The ``apex`` package: its subpackages load on first attribute access or import."""
+    apex = types.ModuleType("apex", "apex_lite's stand-in for NVIDIA apex "
+                                    "(apex_lite.install_apex_alias).")
+    apex.__path__ = []   # a package, so that ``import apex.amp`` asks the finders
+    apex.__spec__ = importlib.machinery.ModuleSpec("apex", None, is_package=True)
+    setattr(apex, _ALIAS_ATTRIBUTE, True)
+
+    def __getattr__(name):
+        if name in TARGETS:
+            return importlib.import_module(f"apex.{name}")
+        raise AttributeError(f"module 'apex' (apex_lite's alias) has no attribute {name!r}")
+
+    apex.__getattr__ = __getattr__
+    return apex
+
+
+def install_apex_alias() -> str:
+    """Make ``import apex``, ``apex.amp`` and ``apex.optimizers`` resolve to apex_lite.
+
+    Returns what it did, in a line. Idempotent. Raises ``ApexAliasError``, changing nothing,
+    when a package named ``apex`` that is not apex_lite's is importable or imported.
+    """
+    existing = _existing_apex()
+    if existing is not None:
+        if existing["ours"] == "alias":
+            return "the apex alias was already installed in this process"
+        if existing["ours"] == "forwarder":
+            return (f"apex is apex_lite's forwarding package ({existing['where']}); "
+                    f"nothing to install")
+        raise ApexAliasError(_refusal(existing))
+    sys.meta_path.insert(0, _AliasFinder())
+    sys.modules["apex"] = _stand_in()
+    return ("installed the apex alias: " +
+            ", ".join(f"apex.{name} -> {target}" for name, target in TARGETS.items()))
+
+
+def describe_targets() -> List[str]:
+    """One line per alias: what it resolves to now, or why it does not."""
+    lines = []
+    for name, target in TARGETS.items():
+        try:
+            module = importlib.import_module(f"apex.{name}")
+        except ImportError as exc:
+            lines.append(f"  apex.{name:<12} -> {target}: not importable ({exc})")
+            continue
+        exported = [n for n in getattr(module, "__all__", [])][:6]
+        lines.append(f"  apex.{name:<12} -> {module.__name__}"
+                     + (f" ({', '.join(exported)}, ...)" if exported else ""))
+    return lines
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    import runpy
+
+    # Run as ``python -m``, this file is ``__main__``; the alias must be installed by the
+    # package's own module, whose finder and error class everyone else sees.
+    from apex_lite import apex_alias
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    try:
+        done = apex_alias.install_apex_alias()
+    except apex_alias.ApexAliasError as exc:
+        print(f"apex_lite.apex_alias: refused: {exc}", file=sys.stderr)
+        return 1
+    if not argv:
+        print(f"apex_lite: {done} (in this process only)")
+        print("\n".join(apex_alias.describe_targets()))
+        print("To use it: call apex_lite.install_apex_alias() before the code that imports "
+              "apex, or run that code through it: python -m apex_lite.apex_alias train.py "
+              "[args] (or -m package.module [args]).")
+        return 0
+    if argv[0] == "-m":
+        if len(argv) < 2:
+            print("apex_lite.apex_alias: -m needs a module name", file=sys.stderr)
+            return 2
+        sys.argv = argv[1:]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = argv
+        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+        runpy.run_path(argv[0], run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
