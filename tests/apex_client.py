@@ -68,7 +68,7 @@ def build(args):
     optimizers = {"sgd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
                   "fused_adam": lambda p: FusedAdam(p, lr=1e-2),
                   "fused_sgd": lambda p: FusedSGD(p, lr=0.05, momentum=0.9),
-                  "fused_lamb": lambda p: FusedLAMB(p, lr=1e-2)}
+                  "fused_lamb": lambda p: FusedLAMB(p, lr=5e-2)}
     optimizer = optimizers[args.optimizer](model.parameters())
     return amp.initialize(model, optimizer, opt_level=args.opt_level, verbosity=0)
 
