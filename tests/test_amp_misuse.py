@@ -282,11 +282,12 @@ def test_block_without_backward_then_step_is_refused(level):
 
 # ---- 14: skips with the scale at its floor warn --------------------------------------------------
 
-def test_skips_at_the_floor_warn_and_the_rate_warning_comes(caplog):
+@pytest.mark.parametrize("level", SCALED_LEVELS)
+def test_skips_at_the_floor_warn_and_the_rate_warning_comes(level, caplog):
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = amp.initialize(model, opt, opt_level="O2", min_loss_scale=2.0 ** 14,
+    model, opt = amp.initialize(model, opt, opt_level=level, min_loss_scale=2.0 ** 14,
                                 overflow_patience=None, fused_step=_STEP_PATH["fused_step"])
     with caplog.at_level(logging.INFO, logger="apex_lite.amp"):
         for _ in range(150):
