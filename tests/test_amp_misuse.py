@@ -13,6 +13,7 @@ import torch
 from apex_lite import amp
 
 LEVELS = ["O0", "O1", "O2", "O3"]
+SCALED_LEVELS = ["O1", "O2"]          # the levels with a dynamic loss scale
 _STEP_PATH = {"fused_step": None}
 
 
@@ -163,7 +164,8 @@ def test_a_loss_scale_outside_fp32_is_refused_at_initialize(level, name, value, 
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match=f"{name}={re.escape(repr(value))} cannot be used as a "
                                          f"loss scale: {why}"):
-        amp.initialize(model, opt, opt_level=level, verbosity=0, **{name: value})
+        amp.initialize(model, opt, opt_level=level, verbosity=0,
+                       fused_step=_STEP_PATH["fused_step"], **{name: value})
     assert model.weight.dtype == torch.float32 and not hasattr(opt, "_apex_lite_amp")
     assert amp.default_handle()._run is None
 
@@ -363,7 +365,8 @@ def _two_models(level):
     a, b = torch.nn.Linear(2, 1, bias=False), torch.nn.Linear(2, 1, bias=False)
     o0 = torch.optim.SGD(a.parameters(), lr=0.1)
     o1 = torch.optim.SGD(b.parameters(), lr=0.1)
-    return amp.initialize([a, b], [o0, o1], opt_level=level, verbosity=0)
+    return amp.initialize([a, b], [o0, o1], opt_level=level, verbosity=0,
+                          fused_step=_STEP_PATH["fused_step"])
 
 
 @pytest.mark.xfail(strict=True, reason="defect for the lead (amp/optimizer.py): a backward "
