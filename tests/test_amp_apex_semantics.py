@@ -280,11 +280,12 @@ def test_two_scalers_into_the_same_gradients_sum_the_unscaled_values(level, fuse
 
 # ---- cast_model_type=False -----------------------------------------------------------------------
 
-@pytest.mark.parametrize("level", ["O0", "O2", "O3"])
-def test_cast_model_type_false_leaves_the_model_fp32(level):
+@pytest.mark.parametrize("level", LEVELS)            # apex accepted False at O1 as well
+@pytest.mark.parametrize("false", [False, "False"])      # apex's argparse string too
+def test_cast_model_type_false_leaves_the_model_fp32(level, false):
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = amp.initialize(model, opt, opt_level=level, cast_model_type=False, verbosity=0)
+    model, opt = amp.initialize(model, opt, opt_level=level, cast_model_type=false, verbosity=0)
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert amp.default_handle()._run.properties.cast_model_type is None
     # The fp32 parameters are their own masters: no copies.

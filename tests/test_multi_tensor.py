@@ -421,37 +421,206 @@ def test_empty_lists_and_empty_tensors(backend, device):
     assert mt.nonfinite_flags(empties).cpu().tolist() == [False] * 3
 
 
+def _meta(*shape):
+    return torch.ones(*shape, device="meta")
+
+
+# One exception type and one message per bad call, the same on every backend (the Python checks
+# run before either backend's kernels).
 BAD_CALLS = {
     "dtype": (lambda d: mt.scale([torch.ones(3, dtype=torch.float64, device=d)],
                                  [torch.ones(3, device=d)], 2.0, torch.zeros(1, device=d)),
-              (TypeError, RuntimeError), r"inputs\[0\] has dtype"),
+              TypeError, r"inputs\[0\] has dtype torch.float64; multi-tensor kernels take"),
+    "int dtype": (lambda d: mt.scale([torch.ones(3, dtype=torch.int32, device=d)],
+                                     [torch.ones(3, device=d)], 2.0, torch.zeros(1, device=d)),
+                  TypeError, r"inputs\[0\] has dtype torch.int32"),
     "shape": (lambda d: mt.scale([torch.ones(3, 2, device=d)], [torch.ones(2, 3, device=d)], 2.0,
                                  torch.zeros(1, device=d)),
-              (ValueError, RuntimeError), r"inputs\[0\] has shape"),
+              ValueError, r"inputs\[0\] has shape \(3, 2\) but outputs\[0\] has \(2, 3\)"),
     "axpby shape": (lambda d: mt.axpby([torch.ones(3, device=d)], [torch.ones(4, device=d)],
                                        [torch.ones(3, device=d)], 1.0, 1.0,
                                        torch.zeros(1, device=d)),
-                    (ValueError, RuntimeError), r"xs\[0\] has shape"),
+                    ValueError, r"xs\[0\] has shape \(3,\) but ys\[0\] has \(4,\)"),
     "lengths": (lambda d: mt.scale([torch.ones(3, device=d)], [], 2.0, torch.zeros(1, device=d)),
-                (ValueError,), "inputs has 1 tensors but outputs has 0"),
+                ValueError, "inputs has 1 tensors but outputs has 0"),
     "found_inf": (lambda d: mt.scale([torch.ones(3, device=d)], [torch.ones(3, device=d)], 2.0,
                                      torch.zeros(2, device=d)),
-                  (TypeError,), "found_inf must be a 1-element float32 tensor"),
+                  TypeError, "found_inf must be a 1-element float32 tensor"),
     "not a list": (lambda d: mt.scale(torch.ones(3, device=d), [torch.ones(3, device=d)], 2.0,
                                       torch.zeros(1, device=d)),
-                   (TypeError,), "inputs must be a list or tuple of tensors"),
+                   TypeError, "inputs must be a list or tuple of tensors"),
     "l2norm dtype": (lambda d: mt.l2norm([torch.ones(3, device=d),
                                           torch.ones(3, dtype=torch.int32, device=d)]),
-                     (TypeError, RuntimeError), r"tensors\[1\] has dtype"),
+                     TypeError, r"tensors\[1\] has dtype torch.int32"),
+    "None input": (lambda d: mt.scale([None], [torch.ones(3, device=d)], 2.0,
+                                      torch.zeros(1, device=d)),
+                   TypeError, r"inputs\[0\] is a NoneType, not a tensor"),
+    "None output": (lambda d: mt.scale([torch.ones(3, device=d)], [None], 2.0,
+                                       torch.zeros(1, device=d)),
+                    TypeError, r"outputs\[0\] is a NoneType, not a tensor"),
+    "None in axpby": (lambda d: mt.axpby([torch.ones(3, device=d)], [None],
+                                         [torch.ones(3, device=d)], 1.0, 1.0,
+                                         torch.zeros(1, device=d)),
+                      TypeError, r"ys\[0\] is a NoneType, not a tensor"),
+    "None in l2norm": (lambda d: mt.l2norm([torch.ones(3, device=d), None]),
+                       TypeError, r"tensors\[1\] is a NoneType, not a tensor"),
+    "None in nonfinite_flags": (lambda d: mt.nonfinite_flags([torch.ones(3, device=d), None]),
+                                TypeError, r"tensors\[1\] is a NoneType, not a tensor"),
+    # Mixed devices (issue row 9: the native kernels returned uninitialised memory or did
+    # nothing): refused the same way on every backend.
+    "scale devices": (lambda d: mt.scale([torch.ones(2, device=d), _meta(2)],
+                                         [torch.ones(2, device=d), _meta(2)], 2.0,
+                                         torch.zeros(1, device=d)),
+                      ValueError, r"inputs\[1\] is on meta but found_inf is on .*all tensors "
+                                  r"of a call must be on one device"),
+    "scale output device": (lambda d: mt.scale([torch.ones(2, device=d)], [_meta(2)], 2.0,
+                                               torch.zeros(1, device=d)),
+                            ValueError, r"outputs\[0\] is on meta but found_inf is on"),
+    "axpby devices": (lambda d: mt.axpby([torch.ones(2, device=d)], [_meta(2)],
+                                         [torch.ones(2, device=d)], 1.0, 1.0,
+                                         torch.zeros(1, device=d)),
+                      ValueError, r"ys\[0\] is on meta but found_inf is on"),
+    "l2norm devices": (lambda d: mt.l2norm([torch.ones(2, device=d), _meta(2)]),
+                       ValueError, r"tensors\[1\] is on meta but tensors\[0\] is on"),
+    "nonfinite_flags devices": (lambda d: mt.nonfinite_flags([torch.ones(2, device=d), _meta(2)]),
+                                ValueError, r"tensors\[1\] is on meta but tensors\[0\] is on"),
 }
 
 
 @pytest.mark.parametrize("case", sorted(BAD_CALLS))
 def test_bad_arguments_are_named(backend, device, case):
-    """Each backend refuses bad arguments naming the argument and its index, and writes nothing."""
-    call, errors, message = BAD_CALLS[case]
-    with pytest.raises(errors, match=message):
+    """Each backend refuses bad arguments with the same exception type and message, naming the
+    argument and its index."""
+    call, error, message = BAD_CALLS[case]
+    with pytest.raises(Exception) as raised:
         call(device)
+    assert type(raised.value) is error, f"{type(raised.value).__name__}: {raised.value}"
+    assert raised.match(message)
+
+
+def test_bad_arguments_give_the_same_error_on_both_backends(device):
+    """The two backends side by side: the same type and text for every bad call."""
+    errors = {}
+    for name in ("python", "native"):
+        if name == "native" and (RUN_DISABLES_EXT or _native.ops_for(device.type)[0] is None):
+            if RUN_REQUIRES_EXT and not RUN_DISABLES_EXT:
+                pytest.fail(f"APEX_LITE_REQUIRE_EXT=1 but: {_native.ops_for(device.type)[1]}")
+            pytest.skip("native kernels unavailable or disabled for this run")
+        with _Env(APEX_LITE_DISABLE_EXT="1" if name == "python" else None):
+            assert mt.backend(device)[0] == name
+            for case, (call, _, _) in BAD_CALLS.items():
+                try:
+                    call(device)
+                except Exception as exc:  # noqa: BLE001 (comparing what each backend raises)
+                    errors.setdefault(case, []).append((type(exc), str(exc)))
+    for case, raised in errors.items():
+        assert len(raised) == 2 and raised[0] == raised[1], case
+
+
+# --- aliasing: outputs that overlap other tensors of the call (issue row 8) ---------------------
+
+def _rows(device):
+    """Three rows of one (3, 2) tensor, [[1, 2], [3, 4], [5, 6]]."""
+    return list(torch.arange(1.0, 7.0, device=device).reshape(3, 2).unbind(0))
+
+
+ALIASED_CALLS = {
+    # outputs[i] is inputs[i + 1]: each output overwrites the next pair's input before it is read.
+    "scale shifted": lambda d: (lambda r: mt.scale(r, r[1:] + [torch.empty(2, device=d)], 2.0,
+                                                   torch.zeros(1, device=d)))(_rows(d)),
+    # an in-place list that holds one tensor twice: it would be scaled twice.
+    "scale twice in place": lambda d: (lambda t: mt.scale([t, t], [t, t], 2.0,
+                                                          torch.zeros(1, device=d)))(
+        torch.ones(3, device=d)),
+    # overlapping views of one buffer.
+    "scale overlapping views": lambda d: (lambda b: mt.scale([b[0:4]], [b[2:6]], 2.0,
+                                                             torch.zeros(1, device=d)))(
+        torch.arange(6.0, device=d)),
+    # two outputs over the same memory.
+    "scale outputs overlap": lambda d: (lambda b: mt.scale(
+        [torch.ones(3, device=d), torch.ones(3, device=d)], [b[0:3], b[1:4]], 2.0,
+        torch.zeros(1, device=d)))(torch.zeros(4, device=d)),
+    # an expand()ed output writes one element from several places.
+    "scale expanded output": lambda d: mt.scale([torch.ones(2, 3, device=d)],
+                                                [torch.zeros(3, device=d).expand(2, 3)], 2.0,
+                                                torch.zeros(1, device=d)),
+    "axpby output is another pair's y": lambda d: (lambda xs, ys: mt.axpby(
+        xs, ys, [ys[1], ys[0]], 1.0, 1.0, torch.zeros(1, device=d)))(
+        [torch.ones(2, device=d), torch.ones(2, device=d)],
+        [torch.ones(2, device=d), torch.ones(2, device=d)]),
+    "axpby output is another pair's x": lambda d: (lambda r: mt.axpby(
+        r[:2], [torch.ones(2, device=d)] * 2, [r[1], torch.empty(2, device=d)], 1.0, 1.0,
+        torch.zeros(1, device=d)))(_rows(d)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ALIASED_CALLS))
+def test_partially_aliased_outputs_are_refused(backend, device, case):
+    with pytest.raises(ValueError, match=r"shares memory with|has elements that share memory"):
+        ALIASED_CALLS[case](device)
+
+
+def test_a_refused_aliased_call_writes_nothing(backend, device):
+    rows = _rows(device)
+    before = [r.clone() for r in rows]
+    found_inf = torch.zeros(1, device=device)
+    with pytest.raises(ValueError, match=r"outputs\[0\] shares memory with inputs\[1\]"):
+        mt.scale(rows, rows[1:] + [torch.empty(2, device=device)], 2.0, found_inf)
+    for r, b in zip(rows, before):
+        assert_bits(r, b.cpu())
+
+
+def test_outputs_that_are_their_own_inputs_are_allowed(backend, device):
+    """In place, as a whole list or per pair, and through a second view of the same elements;
+    rows of one buffer that do not overlap; inputs that share memory (they are only read)."""
+    found_inf = torch.zeros(1, device=device)
+    rows = _rows(device)
+    mt.scale(rows, rows, 2.0, found_inf)
+    mt.scale(rows, list(rows), 0.5, found_inf)
+    mt.scale(rows, [r.view(2) for r in rows], 3.0, found_inf)
+    assert [r.cpu().tolist() for r in rows] == [[3.0, 6.0], [9.0, 12.0], [15.0, 18.0]]
+    x = torch.ones(2, device=device)
+    outs = [torch.empty(2, device=device), torch.empty(2, device=device)]
+    mt.scale([x, x], outs, 2.0, found_inf)                 # one input read twice
+    ys = [torch.ones(2, device=device), torch.full((2,), 2.0, device=device)]
+    xs = [ys[0], torch.ones(2, device=device)]              # xs[0] is ys[0], and the output
+    mt.axpby(xs, ys, [ys[0], outs[1]], 1.0, 1.0, found_inf)
+    assert ys[0].cpu().tolist() == [2.0, 2.0] and outs[1].cpu().tolist() == [3.0, 3.0]
+    assert found_inf.item() == 0.0
+
+
+def test_the_issue_example_is_refused_not_computed_differently_per_backend(backend, device):
+    """Issue row 8: native gave [[2,4],[4,8],[8,16]], Python [[2,4],[2,4],[2,4]]; the right
+    answer [[2,4],[6,8],[10,12]] needs the inputs cloned first, which is what the error says."""
+    rows = _rows(device)
+    with pytest.raises(ValueError, match="clone\\(\\) the inputs first"):
+        mt.scale(rows, rows[1:] + [torch.empty(2, device=device)], 2.0,
+                 torch.zeros(1, device=device))
+    rows = _rows(device)
+    inputs = [r.clone() for r in rows]
+    outputs = [torch.empty(2, device=device)] + rows[:2]
+    mt.scale(inputs, outputs, 2.0, torch.zeros(1, device=device))
+    assert [o.cpu().tolist() for o in outputs] == [[2.0, 4.0], [6.0, 8.0], [10.0, 12.0]]
+
+
+# --- meta tensors (issue row 18) -----------------------------------------------------------------
+
+def test_meta_tensors_are_served_silently(backend, caplog):
+    """Meta tensors (shapes only, as torch.compile traces them): the native install serves them
+    with its fake kernels, without logging that native kernels are unavailable."""
+    meta = torch.device("meta")
+    with caplog.at_level(logging.DEBUG, logger="apex_lite"):
+        name, why = mt.backend(meta)
+        xs = [torch.ones(3, device=meta), torch.ones(2, 2, dtype=torch.bfloat16, device=meta)]
+        found_inf = torch.zeros(1, device=meta)
+        mt.scale(xs, xs, 2.0, found_inf)
+        mt.scale(xs, [torch.empty_like(x) for x in xs], 2.0, found_inf)
+        mt.axpby(xs, xs, xs, 1.0, 1.0, found_inf)
+        total, norms = mt.l2norm(xs, per_tensor=True)
+        flags = mt.nonfinite_flags(xs)
+    assert name == backend, why
+    assert (total.device, total.shape, norms.shape, flags.shape) == (meta, (1,), (2,), (2,))
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 def test_backends_agree_bit_for_bit(device):

@@ -12,12 +12,19 @@ Two places the scale can live, chosen once per run by ``initialize``:
   are read, and every ``sync_interval`` decisions, when the history buffer is full: one small copy
   to the host, whose decisions are then replayed, in order, to ``on_decision`` (the skip log).
 
-Dynamic rule (apex's, plus hysteresis): start at ``min(2**16, max_loss_scale)``; after
+Dynamic rule (apex's, plus hysteresis): start at 2**16 moved into ``[min_loss_scale,
+max_loss_scale]`` (apex started at ``min(2**16, max_loss_scale)`` even below its floor); after
 ``scale_window`` clean steps in a row double it, capped at ``max_loss_scale``; on an overflow the
 step is skipped and, once ``hysteresis`` overflows have accumulated since the last growth, the
 scale is halved, floored at ``min_loss_scale`` (without one, at ``SMALLEST_LOSS_SCALE`` =
 2**-126, the smallest normal fp32 whose inverse, the unscale factor, is still finite in fp32).
 A static scale never changes; its overflowing steps are still skipped.
+
+Every scale (static, ``min_loss_scale``, ``max_loss_scale``, or loaded from a state) must be a
+finite fp32 number whose inverse is too: the loss is multiplied by the scale in fp32 and the
+gradients by its inverse, so a larger scale makes the scaled loss inf, and a smaller one (below
+about 2.9e-39) makes every unscaled gradient inf or NaN, unseen by the overflow check, which
+looks at the gradients before they are unscaled.
 """
 from __future__ import annotations
 
@@ -30,6 +37,20 @@ import torch
 DEFAULT_SCALE_WINDOW = 2000
 DEFAULT_SYNC_INTERVAL = 100
 SMALLEST_LOSS_SCALE = 2.0 ** -126
+FP32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def fp32_scale_problem(scale: float) -> Optional[str]:
+    """Why ``scale`` cannot be a loss scale (it or its inverse is not a finite fp32 number), or
+    None."""
+    if scale > FP32_MAX:
+        return (f"it is above fp32's largest number {FP32_MAX:.6g}, so the scaled loss would be "
+                f"inf")
+    if 1.0 / scale > FP32_MAX:
+        return (f"its inverse {1.0 / scale:.6g}, the factor that unscales the gradients, is above "
+                f"fp32's largest number {FP32_MAX:.6g}, so every unscaled gradient would be inf "
+                f"or NaN")
+    return None
 
 # Columns of the device decision history: what the host replays at a sync.
 _OVERFLOW, _LOSS_NONFINITE, _OLD_SCALE, _NEW_SCALE, _UNSKIPPED, _HYSTERESIS_LEFT = range(6)
@@ -62,12 +83,28 @@ class LossScaler:
                  hysteresis: int = 1, sync_interval: int = DEFAULT_SYNC_INTERVAL):
         self.loss_id = loss_id
         self.dynamic = loss_scale == "dynamic"
+        for name, value in (("loss_scale", None if self.dynamic else loss_scale),
+                            ("min_loss_scale", min_loss_scale),
+                            ("max_loss_scale", max_loss_scale)):
+            problem = None if value is None else fp32_scale_problem(float(value))
+            if problem:
+                raise ValueError(f"{name}={value!r} cannot be used as a loss scale: {problem}. "
+                                 f"Loss scales must lie between {1.0 / FP32_MAX:.3g} and "
+                                 f"{FP32_MAX:.3g}; in practice 1 to 2**24, or loss_scale="
+                                 f"'dynamic' to let amp choose.")
         self.min_loss_scale = min_loss_scale
         self.max_loss_scale = max_loss_scale
         self.scale_window = scale_window
         self.hysteresis = hysteresis
         self.sync_interval = sync_interval
-        self._loss_scale = min(2.0 ** 16, max_loss_scale) if self.dynamic else float(loss_scale)
+        if self.dynamic:
+            # 2**16, moved into [min_loss_scale, max_loss_scale]: a scale that started below its
+            # floor would rise on its first overflow, and the run's own state would not load.
+            start = min(2.0 ** 16, max_loss_scale)
+            self._loss_scale = float(start if min_loss_scale is None
+                                     else max(start, min_loss_scale))
+        else:
+            self._loss_scale = float(loss_scale)
         self.unskipped = 0                 # clean steps since the last growth or overflow (apex)
         self.hysteresis_left = hysteresis  # overflows still tolerated before the next halving
         self._steps = 0
@@ -237,6 +274,11 @@ class LossScaler:
                 or not math.isfinite(scale) or scale <= 0:
             raise ValueError(f"{key}['loss_scale'] must be a positive finite number, got "
                              f"{scale!r}")
+        problem = fp32_scale_problem(float(scale))
+        if problem:
+            raise ValueError(f"{key}['loss_scale'] is {float(scale)!r}, which cannot be a loss "
+                             f"scale: {problem}. amp never writes such a scale: the state is "
+                             f"damaged or was edited.")
         if isinstance(unskipped, bool) or not isinstance(unskipped, int) or unskipped < 0:
             raise ValueError(f"{key}['unskipped'] must be a non-negative int, got {unskipped!r}")
         if not self.dynamic and float(scale) != self.loss_scale:

@@ -12,11 +12,11 @@ one flag can collect several calls. Nothing here synchronises with the host.
 from __future__ import annotations
 
 import operator
-from typing import Sequence, Tuple, Union
+from array import array
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import _python
 from ._backend import NativeBackendUnavailable, backend, ops_for
 
 __all__ = ["scale", "axpby", "l2norm", "nonfinite_flags", "backend", "NativeBackendUnavailable"]
@@ -32,8 +32,9 @@ def _check_list(name: str, tensors: Tensors) -> None:
 
 
 def _check_tensors(device: torch.device, anchor: str, **lists: Tensors) -> None:
-    """Per-tensor checks for the Python backend (the native kernels make them in C++, so the
-    fast path pays nothing per tensor here)."""
+    """Per-tensor checks, made here for every backend so that both refuse a bad call with the same
+    exception and message (the native kernels repeat them in C++ for direct op calls, but do not
+    compare devices across the lists)."""
     for name, tensors in lists.items():
         for i, t in enumerate(tensors):
             if not isinstance(t, torch.Tensor):
@@ -71,18 +72,115 @@ def _same_tensors(a: Tensors, b: Tensors) -> bool:
     return a is b or all(map(operator.is_, a, b))
 
 
+# (first byte, one past the last byte, written?, list name, index, tensor) of one tensor's elements.
+_Span = Tuple[int, int, bool, str, int, torch.Tensor]
+
+
+def _spans(name: str, tensors: Tensors, written: bool, skip: Optional[Tensors] = None
+           ) -> List[_Span]:
+    """The memory spans of ``tensors`` (empty and meta tensors have none), leaving out each one
+    that is ``skip[i]`` itself (an input computed in place: its output stands for it)."""
+    spans = []
+    for i, t in enumerate(tensors):
+        if skip is not None and t is skip[i]:
+            continue
+        n = t.numel()
+        if n == 0 or t.is_meta:
+            continue
+        start = t.data_ptr()
+        if t.is_contiguous():
+            end = start + n * t.element_size()
+        else:
+            extent = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1
+            end = start + extent * t.element_size()
+            if written and torch._debug_has_internal_overlap(t) == 1:
+                raise ValueError(f"{name}[{i}] has elements that share memory (an expand()ed or "
+                                 f"as_strided view): writing it would race with itself. Write "
+                                 f"into a tensor of its own (torch.empty_like) instead.")
+        spans.append((start, end, written, name, i, t))
+    return spans
+
+
+def _same_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when ``a`` and ``b`` view the same elements in the same layout (so an element is read
+    where it is written: the in-place form, safe)."""
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() \
+        and a.element_size() == b.element_size()
+
+
+_is_contiguous = torch.Tensor.is_contiguous
+_data_ptr = torch.Tensor.data_ptr
+_nbytes = operator.attrgetter("nbytes")
+
+
+def _may_overlap(tensors: List[torch.Tensor]) -> bool:
+    """Whether two of these contiguous tensors may share memory: their byte ranges, sorted by
+    start (in CPU tensors of addresses: no device work), each compared with the furthest end
+    before it. Costs a few attribute reads per tensor."""
+    try:
+        starts = torch.frombuffer(array("q", map(_data_ptr, tensors)), dtype=torch.int64)
+    except OverflowError:
+        return True   # an address beyond int64: let the exact sweep decide
+    ends = starts + torch.frombuffer(array("q", map(_nbytes, tensors)), dtype=torch.int64)
+    # (An empty tensor inside another's range counts as a meeting: the exact sweep clears it.)
+    starts, order = torch.sort(starts)
+    ends = ends.index_select(0, order)
+    return bool((starts[1:] < torch.cummax(ends, 0).values[:-1]).any())
+
+
+def _check_no_overlap(outputs: Tuple[str, Tensors], *inputs: Tuple[str, Tensors]) -> None:
+    """Refuse an output that shares memory with another output, or with any input other than the
+    one it is computed from in place (the same tensor, or the same elements in the same layout).
+    The kernels read and write each pair on its own, in chunks and in parallel: an output that
+    overlaps another pair's input would be read after it was written (wrong values, which differ
+    between backends). The tensors are on one device (checked before)."""
+    out_name, out_tensors = outputs
+    if not out_tensors or out_tensors[0].is_meta:
+        return   # meta tensors have no memory
+    tensors = list(out_tensors)
+    for _, input_tensors in inputs:
+        tensors += [t for t, out in zip(input_tensors, out_tensors) if t is not out]
+    if all(map(_is_contiguous, tensors)) and not _may_overlap(tensors):
+        return   # the common case: no two byte ranges meet
+    # Some ranges meet (or a tensor is strided): decide exactly, pair by pair, in one sorted sweep.
+    spans = _spans(out_name, out_tensors, True)
+    for name, input_tensors in inputs:
+        spans += _spans(name, input_tensors, False, skip=out_tensors)
+    spans.sort(key=operator.itemgetter(0))
+    active: List[_Span] = []
+    for span in spans:
+        start = span[0]
+        active = [a for a in active if a[1] > start]
+        for other in active:
+            if not (span[2] or other[2]):
+                continue   # two inputs may share memory: they are only read
+            first, second = (other, span) if other[2] else (span, other)
+            if not second[2] and first[4] == second[4] and _same_elements(first[5], second[5]):
+                continue   # an output computed in place from its own input
+            raise ValueError(
+                f"{first[3]}[{first[4]}] shares memory with {second[3]}[{second[4]}]: the "
+                f"kernels would read elements that another output already overwrote (or write "
+                f"one element twice), and the backends would disagree. Outputs may be their own "
+                f"inputs (outputs is inputs, or outputs[i] is inputs[i]) but must not overlap "
+                f"any other tensor of the call: write into separate tensors, or clone() the "
+                f"inputs first.")
+        active.append(span)
+
+
 def scale(inputs: Tensors, outputs: Tensors, scale: float, found_inf: torch.Tensor) -> None:
     """``out = in * scale`` for each pair (``outputs`` may be ``inputs``); flags non-finite inputs."""
     _check_list("inputs", inputs)
     _check_list("outputs", outputs)
     device = _found_inf_device(found_inf)
+    _check_pairs("inputs", inputs, "outputs", outputs, shapes=False)
     in_place = _same_tensors(inputs, outputs)
-    ops = ops_for(device)
-    if ops is _python:
-        _check_tensors(device, "found_inf", inputs=inputs, **({} if in_place else {"outputs": outputs}))
-    _check_pairs("inputs", inputs, "outputs", outputs, shapes=ops is _python and not in_place)
+    _check_tensors(device, "found_inf", inputs=inputs, **({} if in_place else {"outputs": outputs}))
+    if not in_place:
+        _check_pairs("inputs", inputs, "outputs", outputs, shapes=True)
+    _check_no_overlap(("outputs", outputs), ("inputs", inputs))
     if not inputs:
         return
+    ops = ops_for(device)
     if in_place:
         ops.scale_(list(inputs), float(scale), found_inf)
     else:
@@ -96,13 +194,15 @@ def axpby(xs: Tensors, ys: Tensors, outputs: Tensors, a: float, b: float,
     for name, tensors in (("xs", xs), ("ys", ys), ("outputs", outputs)):
         _check_list(name, tensors)
     device = _found_inf_device(found_inf)
-    ops = ops_for(device)
-    if ops is _python:
-        _check_tensors(device, "found_inf", xs=xs, ys=ys, outputs=outputs)
-    _check_pairs("xs", xs, "ys", ys, shapes=ops is _python)
-    _check_pairs("xs", xs, "outputs", outputs, shapes=ops is _python)
+    _check_pairs("xs", xs, "ys", ys, shapes=False)
+    _check_pairs("xs", xs, "outputs", outputs, shapes=False)
+    _check_tensors(device, "found_inf", xs=xs, ys=ys, outputs=outputs)
+    _check_pairs("xs", xs, "ys", ys, shapes=True)
+    _check_pairs("xs", xs, "outputs", outputs, shapes=True)
+    _check_no_overlap(("outputs", outputs), ("xs", xs), ("ys", ys))
     if not xs:
         return
+    ops = ops_for(device)
     if _same_tensors(ys, outputs):
         ops.axpby_(list(xs), list(ys), float(a), float(b), found_inf)
     elif _same_tensors(xs, outputs):
@@ -116,10 +216,8 @@ def _ops_checked(tensors: Tensors):
     if not isinstance(tensors[0], torch.Tensor):
         raise TypeError(f"tensors[0] is a {type(tensors[0]).__name__}, not a tensor")
     device = tensors[0].device
-    ops = ops_for(device)
-    if ops is _python:
-        _check_tensors(device, "tensors[0]", tensors=tensors)
-    return ops
+    _check_tensors(device, "tensors[0]", tensors=tensors)
+    return ops_for(device)
 
 
 def l2norm(tensors: Tensors, per_tensor: bool = False

@@ -120,6 +120,11 @@ def ops_for(device_type: str) -> Tuple[Optional[Union[ModuleType, SimpleNamespac
     loaded, why = _load()
     if not loaded:
         return None, why
+    if device_type == "meta" and _has_kernels("Meta"):
+        # Meta tensors carry shapes only: the ops dispatch them to the fake kernels _load
+        # registered, as torch.compile's tracing does.
+        from . import _native_ops
+        return _native_ops.CPU_OPS, f"fake (meta) kernels: {why}"
     dispatch_key = _DISPATCH_KEYS.get(device_type)
     if dispatch_key is None:
         return None, f"apex_lite._C has kernels for cpu and cuda only, not {device_type!r}"
