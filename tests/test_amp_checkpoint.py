@@ -180,10 +180,7 @@ UNREADABLE_MASTERS = [
     # A tensor with no data (a checkpoint saved from meta tensors, or torch.load(map_location=
     # "meta")): it passes the shape and dtype checks and fails in the copy, after the scalers
     # were loaded.
-    pytest.param(lambda m: torch.empty_like(m, device="meta"), id="meta", marks=pytest.mark.xfail(
-        strict=True, reason="defect for the lead (amp/handle.py load_state_dict): a master "
-        "weight that passes the shape/dtype checks but cannot be copied (meta) raises after the "
-        "scalers were loaded")),
+    pytest.param(lambda m: torch.empty_like(m, device="meta"), id="meta"),
 ]
 
 
@@ -215,9 +212,6 @@ def test_the_differing_state_itself_loads():
     assert amp.state_dict()["loss_scaler1"] == {"loss_scale": 1024.0, "unskipped": 7}
 
 
-@pytest.mark.xfail(strict=True, reason="defect for the lead (amp/handle.py load_state_dict): a "
-                   "state without its loss_scaler<i> entries is told to initialize with "
-                   "num_losses=0 (or a wrong count), which initialize refuses")
 @pytest.mark.parametrize("num_losses, keep", [(1, []), (2, ["loss_scaler1"])])
 def test_a_state_without_its_scaler_entries_says_so(num_losses, keep):
     """Issue 15 row 15."""

@@ -378,11 +378,6 @@ def _outside_scale_loss(a, b, o0, x):
     b(x).float().sum().backward()
 
 
-@pytest.mark.xfail(strict=True, reason="defect for the lead (amp/optimizer.py): a backward that "
-                   "reaches an optimizer's parameters after its own scale_loss, outside any "
-                   "scale_loss given it, is not detected. Unfused: O1 steps x65536 (another "
-                   "scale_loss) or unchecked (outside), O2 drops it. Fused O2: added still scaled "
-                   "and unchecked (another scale_loss), or drowned by 1/65536 (outside)")
 @pytest.mark.parametrize("extra_backward", [_through_another_scale_loss, _outside_scale_loss],
                          ids=["another scale_loss", "outside scale_loss"])
 @pytest.mark.parametrize("level", SCALED_LEVELS)

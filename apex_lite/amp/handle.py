@@ -428,6 +428,9 @@ class AmpHandle:
                         f"or use one optimizer with a param group per learning rate.")
 
         # Now change things: cast the models, wrap their forwards, take over the optimizers.
+        if self._run is not None and self._run.enabled:
+            for amp_opt in self._run.optimizers:   # the previous run's watches on the models
+                amp_opt.uninstall_watches()
         for index, model in enumerate(model_list):
             self._prepare_model(run, index, model, keep_fp32_modules)
         for opt, why in zip(opt_list, unfused_whys):
@@ -643,9 +646,16 @@ class AmpHandle:
             if other:
                 raise ValueError(f"this is not an amp state: unexpected keys {other}; "
                                  f"amp.load_state_dict takes what amp.state_dict() returned")
-            raise ValueError(f"the amp state holds {len(found)} loss scaler(s) ({found}) but this "
-                             f"run has num_losses={n}; initialize with num_losses={len(found)} "
-                             f"to resume it")
+            complete = set(found) == {f"loss_scaler{i}" for i in range(len(found))}
+            if found and complete:
+                raise ValueError(f"the amp state holds {len(found)} loss scaler(s) ({found}) but "
+                                 f"this run has num_losses={n}; initialize with "
+                                 f"num_losses={len(found)} to resume it")
+            missing = sorted(expected - set(found))
+            raise ValueError(f"the amp state lacks {', '.join(map(repr, missing))} (it holds "
+                             f"{found or 'no loss scaler'}): amp.state_dict() writes "
+                             f"'loss_scaler0' to 'loss_scaler<num_losses - 1>', so this state was "
+                             f"damaged or edited. Load the amp state the checkpoint saved.")
         extra = state_dict.get(STATE_KEY)
         if extra is not None:
             self._check_extra(run, extra)
@@ -698,8 +708,11 @@ class AmpHandle:
                                  f" master weights for model {m}, which has {len(pairs)}")
             for (name, _, master), value in zip(pairs, saved):
                 if not isinstance(value, torch.Tensor) or value.shape != master.shape \
-                        or value.dtype != torch.float32:
+                        or value.dtype != torch.float32 or value.is_meta \
+                        or value.layout != torch.strided:
                     got = (f"shape {tuple(value.shape)}, dtype {value.dtype}"
+                           f"{', a meta tensor (no data)' if value.is_meta else ''}"
+                           f"{'' if value.layout == torch.strided else f', {value.layout}'}"
                            if isinstance(value, torch.Tensor) else type(value).__name__)
                     raise ValueError(f"the saved master weight for {name!r} of model {m} is "
                                      f"{got}; this run's is shape {tuple(master.shape)}, "

@@ -143,6 +143,10 @@ class AmpOptimizer:
         self.in_scale_loss = False
         # The last scale_loss for this optimizer exited without a backward through its loss.
         self.missing_backward = False
+        # A backward wrote gradients of this optimizer's parameters outside the scale_loss
+        # blocks given it, since they were last cleared (_ForeignBackward).
+        self.foreign_backward = False
+        self._hooks: List = []
         self._groups: Optional[Dict[torch.device, _DeviceGroup]] = None
         # How step() applies the update: UnfusedStep or FusedStep (step_path.py), set by
         # initialize.
@@ -162,6 +166,21 @@ class AmpOptimizer:
         opt.zero_grad = types.MethodType(_make_method("zero_grad"), opt)
         opt.add_param_group = types.MethodType(_make_method("add_param_group"), opt)
         opt._apex_lite_amp = self
+        self._watch_backwards([p for group in opt.param_groups for p in group["params"]])
+
+    def _watch_backwards(self, masters: List[torch.Tensor]) -> None:
+        watch = _ForeignBackward(self)
+        for master in masters:
+            model_param = self.model_of.get(master, master)
+            if model_param.requires_grad:
+                self._hooks.append(model_param.register_post_accumulate_grad_hook(watch))
+
+    def uninstall_watches(self) -> None:
+        """Take the backward watches off the model's parameters (a later initialize of the same
+        model takes them over)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
     # ---- parameter grouping (cached; invalidated by add_param_group) ----------------------
     def groups(self) -> Dict[torch.device, _DeviceGroup]:
@@ -411,6 +430,13 @@ class AmpOptimizer:
                 "scaled.backward()` before calling step() again, or remove the extra step(). "
                 "(A loss.backward() outside amp.scale_loss does not count: its gradients are "
                 "neither scaled nor checked.)")
+        if self.foreign_backward:
+            raise RuntimeError(
+                f"{self.label()}.step(): its parameters hold gradients that no amp.scale_loss for "
+                f"this optimizer unscaled or checked: since they were last cleared, a backward "
+                f"outside the scale_loss blocks given this optimizer wrote into them (a "
+                f"loss.backward() outside amp.scale_loss, or a scale_loss that this optimizer "
+                f"was not given, whose backward reached these parameters). {_UNSCALED_FIX}")
         if self.grad_state == CLEAN:
             self._refuse_gradients_amp_did_not_unscale()
         checks, self.checks = self.checks, []
@@ -451,10 +477,7 @@ class AmpOptimizer:
             f"{self.label()}.step(): its parameters hold gradients that no amp.scale_loss for "
             f"this optimizer unscaled or checked: they come from a loss.backward() outside "
             f"amp.scale_loss, or from a scale_loss that this optimizer was not given (its "
-            f"backward reached these parameters). Stepping would apply them multiplied by the "
-            f"loss scale (or drop them under O2). Pass every optimizer whose parameters the loss "
-            f"reaches: `with amp.scale_loss(loss, [optimizer_a, optimizer_b]) as scaled: "
-            f"scaled.backward()`, or zero this optimizer's gradients before its step.")
+            f"backward reached these parameters). {_UNSCALED_FIX}")
 
     def copy_masters_to_model(self) -> None:
         """O2: round the updated fp32 masters into the half model, one fused call per device."""
@@ -474,6 +497,7 @@ class AmpOptimizer:
         self.pending_losses = []
         self.checks = []
         self.missing_backward = False
+        self.foreign_backward = False
         self.path.forget()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -524,6 +548,7 @@ class AmpOptimizer:
         self._original_add_param_group(group)
         self._groups = None
         self.path.invalidate()
+        self._watch_backwards(group["params"])
 
     def materialize_master_grads(self) -> None:
         """Between a backward and its step(), give the masters true fp32 gradients
@@ -536,6 +561,31 @@ class AmpOptimizer:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the true gradients the next step() applies to ``max_norm``; their total norm."""
         return self.path.clip_grad_norm_(self, float(max_norm), float(norm_type))
+
+
+_UNSCALED_FIX = (
+    "Stepping would apply them unscaled, still multiplied by a loss scale, or not at all. Pass "
+    "every optimizer whose parameters the loss reaches: `with amp.scale_loss(loss, "
+    "[optimizer_a, optimizer_b]) as scaled: scaled.backward()`, or zero this optimizer's "
+    "gradients (optimizer.zero_grad()) before the backward it should step on.")
+
+
+class _ForeignBackward:
+    """A post-accumulate-grad hook on each model parameter an optimizer updates: a backward that
+    writes its gradient outside the scale_loss blocks given that optimizer is remembered until
+    the gradients are cleared, and step() refuses. (amp unscales and checks a gradient when its
+    block exits; one written later would be applied unscaled, still scaled, or dropped.) One
+    Python call per parameter per backward; not pickled or copied with the model (torch keeps no
+    hooks there)."""
+
+    __slots__ = ("amp_opt",)
+
+    def __init__(self, amp_opt: "AmpOptimizer"):
+        self.amp_opt = amp_opt
+
+    def __call__(self, param: torch.Tensor) -> None:
+        if not self.amp_opt.in_scale_loss:
+            self.amp_opt.foreign_backward = True
 
 
 def _make_method(name: str):
