@@ -259,20 +259,14 @@ int64_t launch_adam_stage_lists(at::TensorList params, at::TensorList grads,
     lists[kModelList] = model_params;
   }
   int64_t blocks = 0;
-  for (const auto& group : group_by_dtypes<kDepth>(lists)) {
-    dispatch_dtype(group.dtypes[kParamList], [&](auto param_tag) {
-      dispatch_dtype(group.dtypes[kGradList], [&](auto grad_tag) {
-        dispatch_model_dtype<HasModel>(group.dtypes[kDepth - 1], [&](auto model_tag) {
-          using param_t = typename decltype(param_tag)::type;
-          using grad_t = typename decltype(grad_tag)::type;
-          using model_t = typename decltype(model_tag)::type;
-          using Op = AdamStageOp<Stage, param_t, grad_t, model_t, HasModel>;
-          static_assert(Op::kDepth == kDepth, "list layout");
-          blocks += multi_tensor_apply<kDepth>(lists, group.indices, Op{args}, blocks);
-        });
-      });
-    });
-  }
+  for_each_dtype_group<HasModel>(lists, [&](const std::vector<int64_t>& indices, auto param_tag,
+                                            auto grad_tag, auto model_tag) {
+    using Op = AdamStageOp<Stage, typename decltype(param_tag)::type,
+                           typename decltype(grad_tag)::type, typename decltype(model_tag)::type,
+                           HasModel>;
+    static_assert(Op::kDepth == kDepth, "list layout");
+    blocks += multi_tensor_apply<kDepth>(lists, indices, Op{args}, blocks);
+  });
   return blocks;
 }
 
@@ -295,12 +289,8 @@ inline void check_adam_family_args(const char* op, at::TensorList params, at::Te
                                    at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
                                    at::TensorList model_params, at::TensorList steps,
                                    const at::Tensor& inv_scale, const at::Tensor& found_inf) {
-  check_found_inf(op, found_inf);
+  check_step_args(op, params, grads, inv_scale, found_inf);
   const at::Device device = found_inf.device();
-  check_device_scalar(op, "inv_scale", inv_scale, device);
-  check_same_shapes(op, "params", params, "grads", grads);
-  check_tensor_list(op, "params", params, device);
-  check_tensor_list(op, "grads", grads, device);
   check_state_list(op, "exp_avgs", exp_avgs, params, device);
   check_state_list(op, "exp_avg_sqs", exp_avg_sqs, params, device);
   check_model_params(op, model_params, params, device);

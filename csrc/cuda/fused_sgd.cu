@@ -120,20 +120,13 @@ void launch_sgd(at::TensorList params, at::TensorList grads, at::TensorList mome
   if constexpr (HasModel) {
     lists[kDepth - 1] = model_params;
   }
-  for (const auto& group : group_by_dtypes<kDepth>(lists)) {
-    dispatch_dtype(group.dtypes[0], [&](auto param_tag) {
-      dispatch_dtype(group.dtypes[1], [&](auto grad_tag) {
-        dispatch_model_dtype<HasModel>(group.dtypes[kDepth - 1], [&](auto model_tag) {
-          using param_t = typename decltype(param_tag)::type;
-          using grad_t = typename decltype(grad_tag)::type;
-          using model_t = typename decltype(model_tag)::type;
-          using Op = SgdOp<param_t, grad_t, model_t, HasBuf, HasModel>;
-          static_assert(Op::kDepth == kDepth, "list layout");
-          multi_tensor_apply<kDepth>(lists, group.indices, Op{args});
-        });
-      });
-    });
-  }
+  for_each_dtype_group<HasModel>(lists, [&](const std::vector<int64_t>& indices, auto param_tag,
+                                            auto grad_tag, auto model_tag) {
+    using Op = SgdOp<typename decltype(param_tag)::type, typename decltype(grad_tag)::type,
+                     typename decltype(model_tag)::type, HasBuf, HasModel>;
+    static_assert(Op::kDepth == kDepth, "list layout");
+    multi_tensor_apply<kDepth>(lists, indices, Op{args});
+  });
 }
 
 void fused_sgd_cuda(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
@@ -141,12 +134,8 @@ void fused_sgd_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
                     const at::Tensor& found_inf, double lr, double momentum, double dampening,
                     double weight_decay, bool nesterov, bool wd_after_momentum, bool first_run) {
   const char* op = "fused_sgd_";
-  check_found_inf(op, found_inf);
+  check_step_args(op, params, grads, inv_scale, found_inf);
   const at::Device device = found_inf.device();
-  check_device_scalar(op, "inv_scale", inv_scale, device);
-  check_same_shapes(op, "params", params, "grads", grads);
-  check_tensor_list(op, "params", params, device);
-  check_tensor_list(op, "grads", grads, device);
   const bool has_buf = momentum != 0.0;
   // As the Python backend, buffers passed with momentum == 0 are ignored.
   TORCH_CHECK(!has_buf || momentum_buffers.size() == params.size(), "apex_lite::", op,

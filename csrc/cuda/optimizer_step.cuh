@@ -32,6 +32,17 @@ inline void check_device_scalar(const char* op, const char* name, const at::Tens
               " elements");
 }
 
+// What every optimizer step checks first: found_inf, inv_scale, and params and grads pairwise.
+inline void check_step_args(const char* op, at::TensorList params, at::TensorList grads,
+                            const at::Tensor& inv_scale, const at::Tensor& found_inf) {
+  check_found_inf(op, found_inf);
+  const at::Device device = found_inf.device();
+  check_device_scalar(op, "inv_scale", inv_scale, device);
+  check_same_shapes(op, "params", params, "grads", grads);
+  check_tensor_list(op, "params", params, device);
+  check_tensor_list(op, "grads", grads, device);
+}
+
 // Optimizer state (moments, momentum buffers): one float32 tensor per parameter, shaped like it.
 inline void check_state_list(const char* op, const char* name, at::TensorList state,
                              at::TensorList params, const at::Device& device) {
@@ -78,14 +89,26 @@ inline void check_steps(const char* op, at::TensorList steps, at::TensorList par
 
 // ---- dtype dispatch -----------------------------------------------------------------------------
 
-// Calls f(TypeTag<model_t>()) with the model parameters' storage type, or with TypeTag<float>()
-// when there is no model list (the functor then never touches it).
-template <bool HasModel, typename F>
-void dispatch_model_dtype(at::ScalarType dtype, F&& f) {
-  if constexpr (HasModel) {
-    dispatch_dtype(dtype, f);
-  } else {
-    f(TypeTag<float>());
+// For each group of parameters with the same dtypes in `lists` (list 0 the params, list 1 the
+// grads, list Depth - 1 the model params when HasModel; the other lists are float32 state), calls
+// launch(indices, TypeTag<param_t>(), TypeTag<grad_t>(), TypeTag<model_t>()) with the group's
+// storage types (model_t is float without model params, and unused). Empty parameters are in no
+// group.
+template <bool HasModel, size_t NumLists, typename Launch>
+void for_each_dtype_group(const std::array<at::TensorList, NumLists>& lists, Launch&& launch) {
+  constexpr int Depth = static_cast<int>(NumLists);
+  for (const auto& group : group_by_dtypes<Depth>(lists)) {
+    dispatch_dtype(group.dtypes[0], [&](auto param_tag) {
+      dispatch_dtype(group.dtypes[1], [&](auto grad_tag) {
+        if constexpr (HasModel) {
+          dispatch_dtype(group.dtypes[Depth - 1], [&](auto model_tag) {
+            launch(group.indices, param_tag, grad_tag, model_tag);
+          });
+        } else {
+          launch(group.indices, param_tag, grad_tag, TypeTag<float>());
+        }
+      });
+    });
   }
 }
 
