@@ -44,9 +44,17 @@ constexpr size_t kMaxKernelArgBytes = 4096;
 // its k-th block processes chunk first_chunk + k (launch_plan.h starts every other slot at chunk 0).
 // Element counts and chunk indices are 64-bit; block_start is a block index within one launch
 // (below kMaxBlocksPerLaunch), so 32 bits hold it and leave room for more tensors per launch.
+// kMaxTensors: as many slots as fit in 4 KiB beside the largest functor used at that depth (the
+// fused optimizers': about 140 bytes at depths 5 and 6); multi_tensor_apply's static_assert checks.
 template <int Depth>
 struct TensorListMetadata {
-  static constexpr int kMaxTensors = Depth == 1 ? 160 : Depth == 2 ? 120 : 96;
+  static_assert(Depth >= 1 && Depth <= 6, "TensorListMetadata: 1 to 6 lists");
+  static constexpr int kMaxTensors = Depth == 1   ? 160
+                                     : Depth == 2 ? 120
+                                     : Depth == 3 ? 96
+                                     : Depth == 4 ? 80
+                                     : Depth == 5 ? 68
+                                                  : 60;
   void* addresses[Depth][kMaxTensors];
   int64_t sizes[kMaxTensors];
   int32_t block_start[kMaxTensors];
@@ -100,9 +108,12 @@ __global__ void __launch_bounds__(kBlockSize)
   op(ref);
 }
 
-// Launches `op` over the tensors `indices` of `lists` (all of lists[d][i] with the same numel, all
-// contiguous, on the current device), on the current stream. `first_global_block` is passed on to
-// the blocks (see TensorListMetadata); returns the number of blocks launched.
+// Launches `op` over the tensors `indices` of `lists` (contiguous, on the current device), on the
+// current stream. lists[0][i] sets the number of elements; every other lists[d][i] has as many,
+// except a list of per-tensor scalars (1-element tensors such as the optimizers' step counts),
+// which the functor reads and writes at ChunkRef::base[d] itself, never at base + start.
+// `first_global_block` is passed on to the blocks (see TensorListMetadata); returns the number of
+// blocks launched.
 template <int Depth, typename Op>
 int64_t multi_tensor_apply(const std::array<at::TensorList, Depth>& lists,
                            const std::vector<int64_t>& indices, const Op& op,
