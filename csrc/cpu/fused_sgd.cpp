@@ -89,8 +89,9 @@ void fused_sgd_(at::TensorList given_params, at::TensorList given_grads,
   const char* op = "fused_sgd_";
   check_step_args(op, given_params, given_grads, given_model_params, inv_scale, found_inf);
   const bool use_momentum = momentum != 0.0;
-  TORCH_CHECK(!use_momentum || !given_buffers.empty(), "apex_lite::", op, ": momentum is ",
-              momentum, " but momentum_buffers is empty; pass one float32 buffer per parameter");
+  TORCH_CHECK(!use_momentum || !given_buffers.empty() || given_params.empty(), "apex_lite::", op,
+              ": momentum is ", momentum,
+              " but momentum_buffers is empty; pass one float32 buffer per parameter");
   if (!given_buffers.empty()) check_state_list(op, "momentum_buffers", given_buffers, given_params);
   if (read_scalar(found_inf) != 0.0f || given_params.empty()) return;
 
