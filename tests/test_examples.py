@@ -35,6 +35,7 @@ SCRIPTS = {
                     "examples/distributed.py", "--steps", "20", "--width", "32"],
     "step_overhead": ["bench/step_overhead.py", "--smoke", "--threads", "1"],
     "train_smoke": ["bench/train.py", "--smoke", "--threads", "1"],   # + --json, per run
+    "optimizers": ["bench/optimizers.py", "--smoke", "--threads", "1"],
 }
 
 NUMBER = r"([-+]?(?:\d+\.?\d*(?:e[-+]?\d+)?|nan|inf))"
@@ -139,6 +140,18 @@ def test_step_overhead_smoke(runs):
     for variant in ("plain", "GradScaler", "amp O1"):
         assert math.isfinite(_row(stdout, variant, 1)[0])
     assert re.search(r"step time\s+amp O1 / GradScaler = " + NUMBER, stdout)
+
+
+def test_optimizers_smoke(runs):
+    stdout, _ = _ok(runs, "optimizers")
+    assert re.search(r"^CPU: .*flags: ", stdout, re.MULTILINE)
+    for workload in ("200 tensors, 20K fp32 params (smoke)", "400 tensors of 25 elements (smoke)"):
+        for variant in ("sgd foreach", "sgd fused", "sgd ours", "adamw foreach", "adamw fused",
+                        "adamw ours", "O2 adamw torch", "O2 adamw ours", "O2 lamb ours",
+                        "floor sgd", "floor adamw", "floor O2 adamw"):
+            ms, ratio, gbps = _row(stdout, f"{workload:<40} {variant}", 3)
+            assert ms > 0 and ratio > 0 and math.isfinite(gbps)
+    assert len(re.findall(r"^target: .*: " + NUMBER + " (met|MISSED)$", stdout, re.MULTILINE)) == 3
 
 
 def test_train_smoke_table_and_json(runs):
