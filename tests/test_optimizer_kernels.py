@@ -342,43 +342,29 @@ def _sizes(n: int) -> List[int]:
     return [n, 7, 0, n]
 
 
-def _sgd_call(options, sizes, combo, device, **kw):
-    return make_call("sgd", sizes, combo, device, momentum=options["momentum"] != 0, **kw)
+KIND_OPTIONS = {"sgd": SGD_OPTIONS[3], "adam": ADAM_OPTIONS[1], "lamb": LAMB_OPTIONS[0]}
+
+
+def _make(kind, sizes, combo, device, options=None, **kw):
+    """make_call for options (KIND_OPTIONS[kind] by default): no SGD buffers without momentum."""
+    if kind == "sgd":
+        kw["momentum"] = (options or KIND_OPTIONS["sgd"])["momentum"] != 0
+    return make_call(kind, sizes, combo, device, **kw)
 
 
 # --- results against the references -------------------------------------------------------
 
-@pytest.mark.parametrize("combo", sorted(COMBOS))
-@pytest.mark.parametrize("options", SGD_OPTIONS, ids=lambda o: "-".join(
-    f"{k}={v}" for k, v in o.items() if v))
-def test_sgd(backend, device, options, combo):
-    call = _sgd_call(options, _sizes(555), combo, device)
-    run_and_check("sgd", backend, device, call, options)
+OPTION_CASES = [pytest.param(kind, o, id=f"{kind}-" + "-".join(f"{k}={v}" for k, v in o.items()))
+                for kind, table in (("sgd", SGD_OPTIONS), ("adam", ADAM_OPTIONS),
+                                    ("lamb", LAMB_OPTIONS))
+                for o in table]
 
 
 @pytest.mark.parametrize("combo", sorted(COMBOS))
-@pytest.mark.parametrize("options", ADAM_OPTIONS, ids=lambda o: "-".join(
-    f"{k}={v}" for k, v in o.items()))
-def test_adam(backend, device, options, combo):
-    call = make_call("adam", _sizes(555), combo, device)
-    run_and_check("adam", backend, device, call, options)
-
-
-@pytest.mark.parametrize("combo", sorted(COMBOS))
-@pytest.mark.parametrize("options", LAMB_OPTIONS, ids=lambda o: "-".join(
-    f"{k}={v}" for k, v in o.items()))
-def test_lamb(backend, device, options, combo):
-    call = make_call("lamb", _sizes(555), combo, device)
-    run_and_check("lamb", backend, device, call, options)
-
-
-KIND_OPTIONS = {"sgd": SGD_OPTIONS[3], "adam": ADAM_OPTIONS[1], "lamb": LAMB_OPTIONS[0]}
-
-
-def _make(kind, sizes, combo, device, **kw):
-    if kind == "sgd":
-        return _sgd_call(KIND_OPTIONS["sgd"], sizes, combo, device, **kw)
-    return make_call(kind, sizes, combo, device, **kw)
+@pytest.mark.parametrize("kind,options", OPTION_CASES)
+def test_options(backend, device, kind, options, combo):
+    call = _make(kind, _sizes(555), combo, device, options)
+    run_and_check(kind, backend, device, call, options)
 
 
 @pytest.mark.parametrize("combo", ["fp32", "O2-bf16", "mixed"])
