@@ -40,6 +40,8 @@ SCRIPTS = {
                     "examples/distributed.py", "--steps", "20", "--width", "32"],
     "step_overhead": ["bench/step_overhead.py", "--smoke", "--threads", "1"],
     "train_smoke": ["bench/train.py", "--smoke", "--threads", "1"],   # + --json --plot, per run
+    "optimizers": ["bench/optimizers.py", "--smoke", "--threads", "1"],
+    "o2_step": ["bench/o2_step.py", "--smoke", "--threads", "1"],
 }
 # A stand-in for matplotlib that fails to import, put first on these scripts' path.
 WITHOUT_MATPLOTLIB = {"amp_recipe_no_matplotlib", "train_no_matplotlib"}
@@ -236,6 +238,30 @@ def test_step_overhead_smoke(runs):
     for variant in ("plain", "GradScaler", "amp O1"):
         assert math.isfinite(_row(stdout, variant, 1)[0])
     assert re.search(r"step time\s+amp O1 / GradScaler = " + NUMBER, stdout)
+
+
+def test_optimizers_smoke(runs):
+    stdout, _ = _ok(runs, "optimizers")
+    assert re.search(r"^CPU: .*flags: ", stdout, re.MULTILINE)
+    for workload in ("200 tensors, 20K fp32 params (smoke)", "400 tensors of 25 elements (smoke)"):
+        for variant in ("sgd foreach", "sgd fused", "sgd ours", "adamw foreach", "adamw fused",
+                        "adamw ours", "O2 adamw torch", "O2 adamw ours", "O2 lamb ours",
+                        "floor sgd", "floor adamw", "floor O2 adamw"):
+            ms, ratio, gbps = _row(stdout, f"{workload:<40} {variant}", 3)
+            assert ms > 0 and ratio > 0 and math.isfinite(gbps)
+    assert len(re.findall(r"^target: .*: " + NUMBER + " (met|MISSED)$", stdout, re.MULTILINE)) == 3
+
+
+def test_o2_step_smoke(runs):
+    stdout, _ = _ok(runs, "o2_step")
+    assert re.search(r"^cpu: .*flags ", stdout, re.MULTILINE)
+    for variant in ("fp32 AdamW(fused)", "O2 AdamW", "O2 AdamW unfused", "O2 FusedAdam",
+                    "fp32 SGD(fused)", "O2 SGD", "O2 SGD unfused"):
+        ms, ratio, peak, peak_ratio = _row(stdout, variant, 4)
+        assert ms > 0 and ratio > 0 and math.isfinite(peak)
+    assert re.search(r"^O2 AdamW\s.*fused step$", stdout, re.MULTILINE)
+    assert re.search(r"^O2 SGD unfused\s.*unfused step \(fused_step=False\)$", stdout,
+                     re.MULTILINE)
 
 
 def test_train_smoke_table_and_json(runs):

@@ -52,6 +52,69 @@ def test_opcheck(ops, name):
     torch.library.opcheck(getattr(ops, name).default, args)
 
 
+def _optimizer_lists(with_momentum=True):
+    """A call's tensors: mixed dtypes, one chunk-crossing and one empty parameter, bf16 model."""
+    params = [torch.randn(70000), torch.randn(3, 5).bfloat16(), torch.randn(0)]
+    grads = [torch.randn(70000).bfloat16(), torch.randn(3, 5).half(), torch.randn(0)]
+    state = [torch.rand(p.shape) for p in params]
+    models = [torch.empty(p.shape, dtype=torch.bfloat16) for p in params]
+    steps = [torch.zeros(1), torch.full((), 4.0), torch.zeros(1)]
+    return params, grads, state, models, steps
+
+
+def _fused_args(name, found_inf):
+    params, grads, state, models, steps = _optimizer_lists()
+    inv_scale = torch.full((1,), 0.25)
+    if name == "fused_sgd_":
+        return (params, grads, state, models, inv_scale, found_inf, 0.1, 0.9, 0.0, 1e-2, True,
+                False, False)
+    exp_avg_sqs = [torch.rand(p.shape) for p in params]
+    if name == "fused_adam_":
+        return (params, grads, state, exp_avg_sqs, models, steps, inv_scale, found_inf, 1e-3, 0.9,
+                0.999, 1e-8, 1e-2, True, True)
+    return (params, grads, state, exp_avg_sqs, models, steps, inv_scale, found_inf,
+            torch.full((1,), 3.0), 1e-3, 0.9, 0.999, 1e-6, 1e-2, True, True, True, 1.0, False)
+
+
+FUSED_OPS = ["fused_sgd_", "fused_adam_", "fused_lamb_"]
+
+
+@pytest.mark.parametrize("name", FUSED_OPS)
+def test_opcheck_fused_optimizers(ops, name):
+    torch.library.opcheck(getattr(ops, name).default, _fused_args(name, torch.zeros(1)))
+
+
+@pytest.mark.parametrize("name", FUSED_OPS)
+def test_torch_compile_traces_a_fused_step(ops, name):
+    # The step as a compiled graph writes what the eager op writes, bit for bit, and with
+    # found_inf set writes nothing.
+    op = getattr(torch.ops.apex_lite, name)
+
+    def step(*args):
+        op(*args)
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    eager_args, compiled_args = _fused_args(name, torch.zeros(1)), _fused_args(name, torch.zeros(1))
+    for a, b in zip(eager_args, compiled_args):   # the same values in both
+        if isinstance(a, list):
+            for x, y in zip(a, b):
+                y.copy_(x)
+    step(*eager_args)
+    compiled(*compiled_args)
+    for a, b in zip(eager_args, compiled_args):
+        if isinstance(a, list):
+            for x, y in zip(a, b):
+                torch.testing.assert_close(y, x, rtol=0, atol=0)
+    skipped = [[t.clone() for t in a] if isinstance(a, list) else a for a in compiled_args]
+    compiled_args = list(compiled_args)
+    compiled_args[7 if name != "fused_sgd_" else 5] = torch.ones(1)
+    compiled(*compiled_args)
+    for a, b in zip(skipped, compiled_args):
+        if isinstance(a, list):
+            for x, y in zip(a, b):
+                torch.testing.assert_close(y, x, rtol=0, atol=0)
+
+
 def test_torch_compile_traces_an_unscale_and_clip_step(ops):
     def step(grads, masters, found_inf, inv_scale):
         torch.ops.apex_lite.scale_out(grads, masters, inv_scale, found_inf)

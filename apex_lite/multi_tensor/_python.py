@@ -127,7 +127,7 @@ def nonfinite_flags(tensors: Tensors) -> torch.Tensor:
 #   if weight_decay != 0 and not adam_w_mode:  g = g + weight_decay * p
 #   m = beta1 * m + (1 - beta1) * g
 #   v = beta2 * v + ((1 - beta2) * g) * g
-#   update = (m / bc1) / (sqrt(v / bc2) + eps)
+#   update = (m / bc1) / (sqrt(v / bc2) + eps)      (sqrt correctly rounded, see _sqrt_fp32)
 #   if weight_decay != 0 and adam_w_mode:      update = update + weight_decay * p
 #   p = p - lr * update
 # LAMB (apex's): first g = g / clip, where clip = grad_norm / max_grad_norm when max_grad_norm > 0
@@ -171,6 +171,24 @@ def _finish(params: Tensors, p32: List[torch.Tensor], model_params: Tensors) -> 
 def _plus_scaled(xs: List[torch.Tensor], c: float, ys: List[torch.Tensor]) -> List[torch.Tensor]:
     """New tensors ``x + c * y``: the product rounded, then the sum."""
     return torch._foreach_add(xs, torch._foreach_mul(ys, c))
+
+
+def _sqrt_fp32(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+    """Correctly rounded fp32 square roots of fp32 tensors (new tensors).
+
+    torch's fp32 sqrt on the CPU (MKL's vsSqrt) is one ulp off in about one element in six, so
+    the roots are taken in float64 and rounded once to fp32: the root of an fp32 value lies at
+    least two float64 ulps away from any fp32 rounding boundary, so a float64 root within one
+    ulp (MKL's vdSqrt) rounds to the correctly rounded fp32 root, which the native kernels
+    compute (vsqrtps / sqrtss)."""
+    wide = [torch.empty_like(t, dtype=torch.float64) for t in tensors]
+    if not wide:
+        return []
+    torch._foreach_copy_(wide, tensors)
+    torch._foreach_sqrt_(wide)
+    out = [torch.empty_like(t) for t in tensors]
+    torch._foreach_copy_(out, wide)
+    return out
 
 
 def fused_sgd_(params: Tensors, grads: Tensors, momentum_buffers: Tensors, model_params: Tensors,
@@ -219,7 +237,7 @@ def _adam_updates(g: List[torch.Tensor], p: List[torch.Tensor], exp_avgs: Tensor
     torch._foreach_mul_(v, beta2)
     torch._foreach_add_(v, torch._foreach_mul(torch._foreach_mul(g, 1.0 - beta2), g))
     bc1, bc2 = _bias_corrections(steps, beta1, beta2, bias_correction)
-    denom = torch._foreach_sqrt(torch._foreach_div(v, bc2))
+    denom = _sqrt_fp32(torch._foreach_div(v, bc2))
     torch._foreach_add_(denom, eps)
     update = torch._foreach_div(m, bc1)
     torch._foreach_div_(update, denom)

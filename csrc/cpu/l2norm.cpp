@@ -2,12 +2,12 @@
 //
 // Contract: returns (total, per_tensor_norms), fp32 tensors of shape [1] and [len(tensors)]
 // ([0] when per_tensor is false). Squares are formed and summed in fp32 over blocks of
-// kBlockElems elements; block sums are combined in double, per tensor and then over tensors, in
-// index order, so the result does not depend on the thread count; norms are rounded once to fp32.
-// An inf or NaN element makes its tensor's norm and the total inf or NaN. CPU tensors of
-// fp32/fp16/bf16 and any strides (non-contiguous ones are read through contiguous copies),
-// possibly empty (norm 0); 64-bit sizes. One at::parallel_for over chunks
-// spanning all tensors.
+// kSquareBlockElems elements (SquareSum in multi_tensor_cpu.h); block sums are combined in
+// double, per tensor and then over tensors, in index order, so the result does not depend on the
+// thread count; norms are rounded once to fp32. An inf or NaN element makes its tensor's norm
+// and the total inf or NaN. CPU tensors of fp32/fp16/bf16 and any strides (non-contiguous ones
+// are read through contiguous copies), possibly empty (norm 0); 64-bit sizes. One
+// at::parallel_for over chunks spanning all tensors.
 #include "multi_tensor_cpu.h"
 
 #include <torch/library.h>
@@ -19,34 +19,19 @@ namespace apex_lite {
 namespace cpu {
 namespace {
 
-// Elements summed in fp32 before their sum is folded into a double.
-constexpr int64_t kBlockElems = 2048;
-
 template <typename T>
 double sum_of_squares(const void* base, int64_t begin, int64_t n) {
   const T* x = static_cast<const T*>(base) + begin;
-  double total = 0.0;
-  int64_t i = 0;
-  while (i < n) {
-    const int64_t block_end = std::min(n, i + kBlockElems);
-    FVec acc_lo(0.0f), acc_hi(0.0f);
-    for (; i + kStep <= block_end; i += kStep) {
-      FVec lo, hi;
-      load_fp32(x + i, lo, hi);
-      acc_lo = acc_lo + lo * lo;
-      acc_hi = acc_hi + hi * hi;
-    }
-    __at_align__ float lanes[FVec::size()];
-    (acc_lo + acc_hi).store(lanes);
-    float block = 0.0f;
-    for (int64_t k = 0; k < FVec::size(); ++k) block += lanes[k];
-    for (; i < block_end; ++i) {
-      const float v = static_cast<float>(x[i]);
-      block += v * v;
-    }
-    total += static_cast<double>(block);
-  }
-  return total;
+  SquareSum sum;
+  for_each_square_block(
+      n,
+      [&](int64_t i) {
+        FVec lo, hi;
+        load_fp32(x + i, lo, hi);
+        sum.add(lo, hi);
+      },
+      [&](int64_t i) { sum.add(static_cast<float>(x[i])); }, [&] { sum.end_block(); });
+  return sum.total();
 }
 
 using SumOfSquaresFn = double (*)(const void*, int64_t, int64_t);
@@ -65,27 +50,18 @@ std::tuple<at::Tensor, at::Tensor> l2norm(at::TensorList given, bool per_tensor)
   const int64_t n = static_cast<int64_t>(tensors.size());
   const auto offsets = element_offsets(tensors);
   const auto starts = segment_starts(offsets);
-  const int64_t chunks = static_cast<int64_t>(starts.size()) - 1;
   std::vector<SumOfSquaresFn> kernels(n);
   std::vector<const void*> data(n);
   for (int64_t i = 0; i < n; ++i) {
     kernels[i] = sum_of_squares_for(tensors[i].scalar_type());
     data[i] = tensors[i].data_ptr();
   }
-  std::vector<double> partial(starts.back());
-  std::vector<int64_t> owner(starts.back());
-  at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
-    for (int64_t c = chunk_begin; c < chunk_end; ++c) {
-      int64_t segment = starts[c];
-      for_each_segment(offsets, c, c + 1, [&](int64_t t, int64_t begin, int64_t length) {
-        partial[segment] = kernels[t](data[t], begin, length);
-        owner[segment] = t;
-        ++segment;
-      });
-    }
-  });
-  std::vector<double> per(n, 0.0);
-  for (size_t s = 0; s < partial.size(); ++s) per[owner[s]] += partial[s];
+  std::vector<double> partials(starts.back());
+  parallel_indexed_segments(offsets, starts,
+                            [&](int64_t segment, int64_t t, int64_t begin, int64_t length) {
+                              partials[segment] = kernels[t](data[t], begin, length);
+                            });
+  const std::vector<double> per = per_tensor_totals(partials, segment_owners(offsets, starts), n);
   double total = 0.0;
   for (int64_t i = 0; i < n; ++i) total += per[i];
   at::Tensor total_norm = at::empty({1}, options);

@@ -109,13 +109,19 @@ inline void check_same_sizes(const char* op, const char* name_a, at::TensorList 
   }
 }
 
-inline void check_found_inf(const char* op, const at::Tensor& found_inf) {
-  TORCH_CHECK(found_inf.numel() == 1 && found_inf.scalar_type() == at::kFloat &&
-                  found_inf.device().is_cpu(),
-              "apex_lite::", op, ": found_inf must be a 1-element float32 CPU tensor, got ",
-              found_inf.numel(), " elements of ", found_inf.scalar_type(), " on ",
-              found_inf.device());
+// found_inf, inv_scale and the like: one fp32 value on the CPU, which the kernels read and write
+// through data_ptr on the host.
+inline void check_scalar_tensor(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK(t.numel() == 1 && t.scalar_type() == at::kFloat && t.device().is_cpu(),
+              "apex_lite::", op, ": ", name, " must be a 1-element float32 CPU tensor, got ",
+              t.numel(), " elements of ", t.scalar_type(), " on ", t.device());
 }
+
+inline void check_found_inf(const char* op, const at::Tensor& found_inf) {
+  check_scalar_tensor(op, "found_inf", found_inf);
+}
+
+inline float read_scalar(const at::Tensor& t) { return *t.data_ptr<float>(); }
 
 // Sets found_inf to 1 (never 0): the caller zeroes it, so one flag collects several calls.
 inline void raise_found_inf(const at::Tensor& found_inf) {
@@ -202,22 +208,114 @@ inline bool probe_saw_nonfinite(const FVec& acc_lo, const FVec& acc_hi, float sc
   return bad;
 }
 
-// Runs segment_fn over all segments of the call in one parallel region over chunks; segment_fn
-// returns true when it saw a non-finite input. Returns true when any segment did.
+// Runs segment_fn(tensor, begin, length) over all segments of the call in one parallel region
+// over chunks.
+template <typename SegmentFn>
+inline void parallel_segments(const std::vector<int64_t>& offsets, SegmentFn&& segment_fn) {
+  const int64_t chunks = chunk_count(offsets.back());
+  if (chunks == 0) return;
+  at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
+    for_each_segment(offsets, chunk_begin, chunk_end, segment_fn);
+  });
+}
+
+// As parallel_segments, for segment_fn that returns true when it saw a non-finite input.
+// Returns true when any segment did.
 template <typename SegmentFn>
 inline bool parallel_over_segments(const std::vector<int64_t>& offsets, SegmentFn&& segment_fn) {
-  const int64_t chunks = chunk_count(offsets.back());
-  if (chunks == 0) return false;
   std::atomic<bool> saw_nonfinite{false};
-  at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
-    bool bad = false;
-    for_each_segment(offsets, chunk_begin, chunk_end,
-                     [&](int64_t t, int64_t begin, int64_t length) {
-                       bad |= segment_fn(t, begin, length);
-                     });
-    if (bad) saw_nonfinite.store(true, std::memory_order_relaxed);
+  parallel_segments(offsets, [&](int64_t t, int64_t begin, int64_t length) {
+    if (segment_fn(t, begin, length)) saw_nonfinite.store(true, std::memory_order_relaxed);
   });
   return saw_nonfinite.load();
+}
+
+// As parallel_segments, with the segment's index in the call (starts from segment_starts) passed
+// first: segment_fn(segment, tensor, begin, length). A reduction writes one partial per segment
+// and combines them in index order afterwards, so its result does not depend on the threads.
+template <typename SegmentFn>
+inline void parallel_indexed_segments(const std::vector<int64_t>& offsets,
+                                      const std::vector<int64_t>& starts,
+                                      SegmentFn&& segment_fn) {
+  const int64_t chunks = static_cast<int64_t>(starts.size()) - 1;
+  if (chunks <= 0) return;
+  at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
+    for (int64_t c = chunk_begin; c < chunk_end; ++c) {
+      int64_t segment = starts[c];
+      for_each_segment(offsets, c, c + 1, [&](int64_t t, int64_t begin, int64_t length) {
+        segment_fn(segment++, t, begin, length);
+      });
+    }
+  });
+}
+
+// The tensor each segment belongs to, in segment order (as parallel_indexed_segments numbers
+// them).
+inline std::vector<int64_t> segment_owners(const std::vector<int64_t>& offsets,
+                                           const std::vector<int64_t>& starts) {
+  std::vector<int64_t> owners(starts.back());
+  int64_t segment = 0;
+  for_each_segment(offsets, 0, static_cast<int64_t>(starts.size()) - 1,
+                   [&](int64_t t, int64_t, int64_t) { owners[segment++] = t; });
+  return owners;
+}
+
+// Per-tensor totals of per-segment partials, added in segment order.
+inline std::vector<double> per_tensor_totals(const std::vector<double>& partials,
+                                             const std::vector<int64_t>& owners,
+                                             size_t tensors) {
+  std::vector<double> totals(tensors, 0.0);
+  for (size_t s = 0; s < partials.size(); ++s) totals[owners[s]] += partials[s];
+  return totals;
+}
+
+// Elements whose squares are summed in fp32 before the sum is folded into a double.
+constexpr int64_t kSquareBlockElems = 2048;
+
+// Sum of the squares of a run of fp32 values, reproducible: within a block of kSquareBlockElems
+// consecutive elements the squares are summed in fp32 (full vectors in two vector accumulators,
+// the run's last elements one by one), and the block sums in double. The caller calls
+// end_block() after each block; the order depends only on the run's length.
+class SquareSum {
+ public:
+  void add(const FVec& lo, const FVec& hi) {
+    lo_ = lo_ + lo * lo;
+    hi_ = hi_ + hi * hi;
+  }
+  void add(float x) { tail_ += x * x; }
+  void end_block() {
+    __at_align__ float lanes[FVec::size()];
+    (lo_ + hi_).store(lanes);
+    float block = 0.0f;
+    for (int64_t k = 0; k < FVec::size(); ++k) block += lanes[k];
+    total_ += static_cast<double>(block + tail_);
+    lo_ = FVec(0.0f);
+    hi_ = FVec(0.0f);
+    tail_ = 0.0f;
+  }
+  double total() const { return total_; }
+
+ private:
+  FVec lo_{0.0f};
+  FVec hi_{0.0f};
+  float tail_ = 0.0f;
+  double total_ = 0.0;
+};
+
+static_assert(kSquareBlockElems % kStep == 0, "only a run's last block may end in single elements");
+
+// Walks [0, n) block by block for a SquareSum: vector_fn(i) for each run of kStep elements from
+// i, scalar_fn(i) for each element left over, end_block() after each block.
+template <typename VectorFn, typename ScalarFn, typename EndBlockFn>
+inline void for_each_square_block(int64_t n, VectorFn&& vector_fn, ScalarFn&& scalar_fn,
+                                  EndBlockFn&& end_block) {
+  int64_t i = 0;
+  while (i < n) {
+    const int64_t block_end = std::min(n, i + kSquareBlockElems);
+    for (; i + kStep <= block_end; i += kStep) vector_fn(i);
+    for (; i < block_end; ++i) scalar_fn(i);
+    end_block();
+  }
 }
 
 // The four dtype-specialised elementwise kernels. Each returns true when an input was not finite.

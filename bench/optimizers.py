@@ -1,0 +1,244 @@
+"""Fused optimizer step benchmark: ratios to the floor, all measured interleaved in one run.
+
+Workloads: 25M fp32 parameters in 200 tensors, and 4000 tensors of 2500 elements. Variants:
+  sgd foreach, sgd fused       torch.optim.SGD(momentum=0.9, foreach=True / fused=True).step()
+  sgd ours                     apex_lite's fused_sgd_ called directly (fp32 grads, fp32 params)
+  adamw foreach, adamw fused   torch.optim.AdamW(foreach=True / fused=True).step()
+  adamw ours                   fused_adam_ (adam_w_mode) called directly, fp32 grads and params
+  O2 adamw torch               torch's closest to amp's O2 step: bf16 grads copied into fp32
+                               master grads, unscaled and checked
+                               (_amp_foreach_non_finite_check_and_unscale_), AdamW(fused=True)
+                               step on the fp32 masters, masters copied into the bf16 model
+  O2 adamw ours                fused_adam_: bf16 grads in, fp32 masters and state, bf16 model out
+  O2 lamb ours                 fused_lamb_ likewise (two stages: reads the state twice; torch has
+                               no LAMB, so it is shown against the AdamW floor)
+"ours" calls the op of apex_lite's backend for the device (native when the extension is built)
+with tensor lists built once, as amp and apex_lite.optimizers keep them.
+
+The floor of a variant is one multithreaded pass over a flat tensor moving the bytes of its
+ideal fused step: ``flat.mul_(1.0)`` over one fp32 tensor of half those bytes, which reads and
+writes every byte once, in place, as the steps do with the parameters and the state. Bytes per
+parameter: SGD with momentum 20 (grad 4 read, param 8 and buffer 8 read and written), AdamW 28
+(grad 4, param 8, exp_avg and exp_avg_sq 16), AdamW O2 28 (bf16 grad 2 read, fp32 master 8,
+state 16, bf16 model 2 written). The steps read a little more than they write (AdamW fp32 reads
+16 bytes per parameter and writes 12), and O2 writes its model parameters to other lines than it
+reads (a copy into a separate buffer, ``dst.copy_(src)``, runs at about 2/3 of the in-place
+rate here, so it is no floor).
+
+Every repetition runs each variant once, in turn; the table shows medians and the first
+repetition (warm-up, state allocation) is dropped. GB/s is the ideal step's bytes over the time.
+
+    python bench/optimizers.py [--device cuda] [--reps 7] [--threads N] [--only 1,2]
+    python bench/optimizers.py --smoke          # tiny sizes, seconds: keeps this file working
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+from typing import Callable, Dict, List, Tuple
+
+import torch
+
+from apex_lite.multi_tensor import _backend
+from kernels import split_sizes, timed
+
+# (title, total parameters, tensors) per workload; the smoke sizes keep the shapes' character.
+WORKLOADS = {1: ("200 tensors, 25M fp32 params", 25_000_000, 200),
+             2: ("4000 tensors of 2500 elements", 4000 * 2500, 4000)}
+SMOKE_WORKLOADS = {1: ("200 tensors, 20K fp32 params (smoke)", 20_000, 200),
+                   2: ("400 tensors of 25 elements (smoke)", 400 * 25, 400)}
+BYTES_PER_PARAM = {"sgd": 20, "adamw": 28, "O2 adamw": 28}
+FLOOR_OF = {"sgd foreach": "sgd", "sgd fused": "sgd", "sgd ours": "sgd",
+            "adamw foreach": "adamw", "adamw fused": "adamw", "adamw ours": "adamw",
+            "O2 adamw torch": "O2 adamw", "O2 adamw ours": "O2 adamw", "O2 lamb ours": "O2 adamw"}
+LR, MOMENTUM, WEIGHT_DECAY, BETAS, EPS = 1e-3, 0.9, 1e-2, (0.9, 0.999), 1e-8
+INV_SCALE = 2.0 ** -16
+
+
+def describe_cpu() -> str:
+    """The CPU's model and the vector flags the kernels care about, from /proc/cpuinfo."""
+    model, flags = platform.processor() or "unknown CPU", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model in ("", "unknown CPU", platform.machine()):
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    wanted = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    present = " ".join(f for f in wanted if f in flags) or "(none of the AVX ones)"
+    try:
+        from apex_lite import _build_info
+        build = f"apex_lite._C built for {_build_info.CPU_ARCH}"
+    except ImportError:
+        build = "apex_lite._C build arch unknown"
+    return (f"{model}; flags: {present}; torch CPU capability "
+            f"{torch.backends.cpu.get_cpu_capability()}; {os.cpu_count()} logical CPUs; {build}")
+
+
+def _floors(total: int, device) -> Dict[str, Callable[[], None]]:
+    """{"floor <kind>": flat.mul_(1.0) over half the kind's bytes}, slices of one fp32 tensor."""
+    flat = torch.ones(max(BYTES_PER_PARAM.values()) * total // 8, device=device)
+
+    def floor(n):
+        view = flat[:n]
+        return lambda: view.mul_(1.0)
+
+    return {f"floor {kind}": floor(per_param * total // 8)
+            for kind, per_param in BYTES_PER_PARAM.items()}
+
+
+def make_workload(total: int, count: int, device, ops) -> Dict[str, Callable[[], None]]:
+    """{variant: a zero-argument step} for fp32 parameters split into `count` tensors."""
+    sizes = split_sizes(total, count)
+    found_inf = torch.zeros(1, device=device)
+    one = torch.ones(1, device=device)
+    inv_scale = torch.full((1,), INV_SCALE, device=device)
+    no_decay = 0.0
+
+    # fp32 parameters with fp32 gradients, shared by the torch optimizers and ours; each
+    # optimizer keeps its own state.
+    params = [torch.nn.Parameter(torch.randn(n, device=device)) for n in sizes]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-2
+    grads = [p.grad for p in params]
+    plain = [p.detach() for p in params]
+    variants: Dict[str, Callable[[], None]] = {}
+    for name, make in (("sgd", lambda **kw: torch.optim.SGD(params, lr=LR, momentum=MOMENTUM,
+                                                               **kw)),
+                       ("adamw", lambda **kw: torch.optim.AdamW(params, lr=LR, betas=BETAS,
+                                                                eps=EPS,
+                                                                weight_decay=WEIGHT_DECAY,
+                                                                **kw))):
+        for flavour in ("foreach", "fused"):
+            variants[f"{name} {flavour}"] = make(**{flavour: True}).step
+
+    buffers = [torch.zeros_like(p) for p in plain]
+    variants["sgd ours"] = lambda: ops.fused_sgd_(plain, grads, buffers, [], one, found_inf, LR,
+                                                   MOMENTUM, 0.0, no_decay, False, False, False)
+    exp_avgs = [torch.zeros_like(p) for p in plain]
+    exp_avg_sqs = [torch.zeros_like(p) for p in plain]
+    steps = [torch.zeros(1, device=device) for _ in plain]
+    variants["adamw ours"] = lambda: ops.fused_adam_(
+        plain, grads, exp_avgs, exp_avg_sqs, [], steps, one, found_inf, LR, BETAS[0], BETAS[1],
+        EPS, WEIGHT_DECAY, True, True)
+
+    # O2: bf16 model parameters and gradients (of a loss scaled by 2**16), fp32 masters. Ours
+    # shares its moments with "adamw ours" (values only drift), torch's optimizer has its own.
+    masters = [torch.nn.Parameter(torch.randn(n, device=device)) for n in sizes]
+    half_params = [m.detach().bfloat16() for m in masters]
+    half_grads = [(torch.randn(n, device=device) * 2.0 ** 10).bfloat16() for n in sizes]
+    master_grads = [torch.empty(n, device=device) for n in sizes]
+    for m, g in zip(masters, master_grads):
+        m.grad = g
+    torch_o2 = torch.optim.AdamW(masters, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
+                                 fused=True)
+    plain_masters = [m.detach() for m in masters]
+
+    def o2_torch():
+        torch._foreach_copy_(master_grads, half_grads)
+        torch._amp_foreach_non_finite_check_and_unscale_(master_grads, found_inf, inv_scale)
+        torch_o2.step()
+        torch._foreach_copy_(half_params, plain_masters)
+
+    variants["O2 adamw torch"] = o2_torch
+    variants["O2 adamw ours"] = lambda: ops.fused_adam_(
+        plain_masters, half_grads, exp_avgs, exp_avg_sqs, half_params, steps, inv_scale,
+        found_inf, LR, BETAS[0], BETAS[1], EPS, WEIGHT_DECAY, True, True)
+    grad_norm = torch.ones(1, device=device)
+    variants["O2 lamb ours"] = lambda: ops.fused_lamb_(
+        plain_masters, half_grads, exp_avgs, exp_avg_sqs, half_params, steps, inv_scale,
+        found_inf, grad_norm, LR, BETAS[0], BETAS[1], 1e-6, WEIGHT_DECAY, True, True, True, 1.0,
+        False)
+
+    variants.update(_floors(total, device))
+    return variants
+
+
+def measure(variants: Dict[str, Callable[[], None]], reps: int, device) -> Dict[str, float]:
+    """Median seconds per variant, every repetition running each variant once, in turn."""
+    samples: Dict[str, List[float]] = {name: [] for name in variants}
+    for rep in range(reps + 1):   # the first repetition warms up and is dropped
+        for name, fn in variants.items():
+            elapsed = timed(lambda _: fn(), None, device)
+            if rep:
+                samples[name].append(elapsed)
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
+def report(title: str, total: int, medians: Dict[str, float]) -> List[Tuple[str, float]]:
+    """Prints the workload's rows; returns (variant, ratio to its floor) pairs."""
+    ratios = []
+    for name, kind in FLOOR_OF.items():
+        median = medians[name]
+        ratio = median / medians[f"floor {kind}"]
+        gbps = BYTES_PER_PARAM[kind] * total / median / 1e9
+        print(f"{title:<40} {name:<16} {median * 1e3:>10.2f} {ratio:>8.2f} {gbps:>7.1f}")
+        ratios.append((name, ratio))
+    for kind in BYTES_PER_PARAM:
+        median = medians[f"floor {kind}"]
+        gbps = BYTES_PER_PARAM[kind] * total / median / 1e9
+        print(f"{title:<40} {'floor ' + kind:<16} {median * 1e3:>10.2f} {1.0:>8.2f} {gbps:>7.1f}")
+    return ratios
+
+
+def _verdict(value: float, target: float) -> str:
+    return "met" if value <= target else "MISSED"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--threads", type=int, help="torch threads on CPU (default: torch's)")
+    parser.add_argument("--only", default="1,2", help="comma-separated workload numbers")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, 2 repetitions")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.smoke:
+        args.reps = 2
+
+    ops = _backend.ops_for(device)
+    name, why = _backend.backend(device)
+    print(f"torch {torch.__version__}, device {device}, {torch.get_num_threads()} threads, "
+          f"median of {args.reps}; ours: {name} backend ({why})")
+    if device.type == "cpu":
+        print(f"CPU: {describe_cpu()}")
+    if name != "native" and not args.smoke:
+        print("'ours' needs the native extension (build it with --cpp_ext); stopping")
+        return 1
+
+    workloads = SMOKE_WORKLOADS if args.smoke else WORKLOADS
+    print(f"{'workload':<40} {'variant':<16} {'median ms':>10} {'x floor':>8} {'GB/s':>7}")
+    results = {}
+    for index in (int(i) for i in args.only.split(",")):
+        title, total, count = workloads[index]
+        variants = make_workload(total, count, device, ops)
+        medians = measure(variants, args.reps, device)
+        results[index] = (dict(report(title, total, medians)), medians)
+        del variants
+
+    if 1 in results:
+        ratios, medians = results[1]
+        adamw = medians["adamw ours"] / medians["adamw fused"]
+        print(f"target: O2 adamw ours <= 1.3x its floor ({workloads[1][0]}): "
+              f"{ratios['O2 adamw ours']:.2f} {_verdict(ratios['O2 adamw ours'], 1.3)}")
+        print(f"target: adamw ours no slower than torch AdamW(fused=True) on fp32 params: "
+              f"{adamw:.2f} {_verdict(adamw, 1.0)}")
+    if 2 in results:
+        ratios, _ = results[2]
+        print(f"target: O2 adamw ours <= 1.6x its floor ({workloads[2][0]}): "
+              f"{ratios['O2 adamw ours']:.2f} {_verdict(ratios['O2 adamw ours'], 1.6)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+// apex_lite::fused_adam_ on CPU: one Adam / AdamW step over all parameters of a call.
+//
+// Contract (apex_lite/multi_tensor/_python.py is the reference, bit for bit): per element, in
+// fp32, each line one rounding, hyper-parameters converted from double to fp32 once:
+//   g = float(grad) * inv_scale
+//   if weight_decay != 0 and not adam_w_mode:  g = g + weight_decay * p
+//   m = beta1 * m + (1 - beta1) * g
+//   v = beta2 * v + ((1 - beta2) * g) * g
+//   update = (m / bc1) / (sqrt(v / bc2) + eps)          (sqrt correctly rounded)
+//   if weight_decay != 0 and adam_w_mode:      update = update + weight_decay * p
+//   p = p - lr * update
+// then params[i] = round(p) and model_params[i] = round(p), each rounded once to its own dtype
+// (to nearest even), and steps[i] += 1. bc1 = 1 - beta1**count, bc2 = 1 - beta2**count in
+// double with count = steps[i] + 1, then fp32; 1 without bias_correction.
+// params and model_params are fp32/fp16/bf16 (p = float(param): a half parameter without master
+// weights is updated in fp32 and rounded once), grads fp32/fp16/bf16 in any combination;
+// exp_avgs and exp_avg_sqs fp32 and shaped like the parameter; model_params empty or one per
+// parameter; steps, inv_scale and found_inf 1-element fp32 CPU tensors, read on the host. When
+// found_inf is not 0 nothing is written at all. The caller checks the gradients for inf and NaN;
+// this op flags nothing. CPU tensors of any strides (non-contiguous ones are staged through
+// contiguous copies and written back), possibly empty; 64-bit sizes and offsets. One
+// at::parallel_for over chunks spanning all tensors.
+#include "fused_optimizer_cpu.h"
+
+#include <torch/library.h>
+
+namespace apex_lite {
+namespace cpu {
+namespace {
+
+void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                 at::TensorList exp_avg_sqs, at::TensorList model_params, at::TensorList steps,
+                 const at::Tensor& inv_scale, const at::Tensor& found_inf, double lr, double beta1,
+                 double beta2, double eps, double weight_decay, bool adam_w_mode,
+                 bool bias_correction) {
+  const char* op = "fused_adam_";
+  check_step_args(op, params, grads, model_params, inv_scale, found_inf);
+  check_state_list(op, "exp_avgs", exp_avgs, params);
+  check_state_list(op, "exp_avg_sqs", exp_avg_sqs, params);
+  check_steps(op, steps, params);
+  if (read_scalar(found_inf) != 0.0f || params.empty()) return;
+
+  const AdamConstants c =
+      adam_constants(inv_scale, beta1, 1.0 - beta1, beta2, eps, weight_decay, adam_w_mode);
+  const AdamLists lists(params, grads, exp_avgs, exp_avg_sqs, model_params);
+  adam_step_pass(c, lists,
+                 lists.tensors(bias_corrections(steps, beta1, beta2, bias_correction),
+                               static_cast<float>(lr)));
+  lists.write_back();
+  increment_steps(steps);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(apex_lite, CPU, m) { m.impl("fused_adam_", &fused_adam_); }
+
+}  // namespace cpu
+}  // namespace apex_lite

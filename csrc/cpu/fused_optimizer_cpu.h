@@ -1,0 +1,376 @@
+// Shared by the CPU fused optimizer steps (fused_sgd.cpp, fused_adam.cpp, fused_lamb.cpp): the
+// argument checks, the host-side reads of the 1-element tensors, the per-segment driver that
+// loads parameters and gradients in fp32 and rounds each result once into the parameter and the
+// model parameter, and the Adam arithmetic that Adam and LAMB share.
+//
+// The per-element arithmetic is the contract spelled out in apex_lite/multi_tensor/_python.py:
+// every operation rounds once to fp32 (at::vec's operators are single IEEE instructions, sqrt
+// included, and the build's -ffp-contract=off forbids fused multiply-adds), hyper-parameters are
+// converted from double to fp32 once. Each element function is written once over V, which is
+// FVec for the vector body of a segment and float for its last elements, so the two paths
+// compute the same bits.
+#pragma once
+
+#include "multi_tensor_cpu.h"
+
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace apex_lite {
+namespace cpu {
+
+// ---- argument checks ----------------------------------------------------------------------
+
+// What every step takes: params and grads of fp32/fp16/bf16 on the CPU, pairwise equal shapes;
+// model_params empty or one per parameter, shaped like it; inv_scale and found_inf.
+inline void check_step_args(const char* op, at::TensorList params, at::TensorList grads,
+                            at::TensorList model_params, const at::Tensor& inv_scale,
+                            const at::Tensor& found_inf) {
+  check_list(op, "params", params);
+  check_list(op, "grads", grads);
+  check_same_sizes(op, "params", params, "grads", grads);
+  TORCH_CHECK(model_params.empty() || model_params.size() == params.size(), "apex_lite::", op,
+              ": model_params has ", model_params.size(), " tensors but params has ",
+              params.size(), "; pass one model parameter per parameter, or none");
+  check_list(op, "model_params", model_params);
+  if (!model_params.empty()) check_same_sizes(op, "params", params, "model_params", model_params);
+  check_scalar_tensor(op, "inv_scale", inv_scale);
+  check_found_inf(op, found_inf);
+}
+
+// A state list (momentum buffers, exp_avgs, exp_avg_sqs): one fp32 CPU tensor per parameter,
+// shaped like it, whatever the parameter's dtype.
+inline void check_state_list(const char* op, const char* name, at::TensorList state,
+                             at::TensorList params) {
+  check_same_sizes(op, "params", params, name, state);
+  for (size_t i = 0; i < state.size(); ++i) {
+    TORCH_CHECK(state[i].scalar_type() == at::kFloat, "apex_lite::", op, ": ", name, "[", i,
+                "] has dtype ", state[i].scalar_type(),
+                "; optimizer state is float32 whatever the parameter's dtype (create it with "
+                "torch.zeros_like(param, dtype=torch.float32))");
+    TORCH_CHECK(state[i].device().is_cpu(), "apex_lite::", op, ": ", name, "[", i, "] is on ",
+                state[i].device(),
+                " but this is the CPU kernel; all tensors of a call must be on one device");
+  }
+}
+
+// steps: one 1-element fp32 CPU tensor per parameter, its step count.
+inline void check_steps(const char* op, at::TensorList steps, at::TensorList params) {
+  TORCH_CHECK(steps.size() == params.size(), "apex_lite::", op, ": params has ", params.size(),
+              " tensors but steps has ", steps.size(), "; pass one step count per parameter");
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const at::Tensor& s = steps[i];
+    TORCH_CHECK(s.numel() == 1 && s.scalar_type() == at::kFloat && s.device().is_cpu(),
+                "apex_lite::", op, ": steps[", i,
+                "] must be a 1-element float32 CPU tensor (the parameter's step count), got ",
+                s.numel(), " elements of ", s.scalar_type(), " on ", s.device());
+  }
+}
+
+// ---- step counts --------------------------------------------------------------------------
+
+// 1 - beta1**count and 1 - beta2**count for the step a tensor is about to take.
+struct BiasCorrection {
+  float bc1 = 1.0f;
+  float bc2 = 1.0f;
+};
+
+// Per tensor: the count steps[i] + 1 in double, the corrections in double, then fp32; all 1
+// without bias correction. Tensors with the same count (the common case) share one pow.
+inline std::vector<BiasCorrection> bias_corrections(at::TensorList steps, double beta1,
+                                                    double beta2, bool enabled) {
+  std::vector<BiasCorrection> out(steps.size());
+  if (!enabled) return out;
+  double last_count = std::numeric_limits<double>::quiet_NaN();
+  BiasCorrection last;
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const double count = static_cast<double>(read_scalar(steps[i])) + 1.0;
+    if (count != last_count) {
+      last.bc1 = static_cast<float>(1.0 - std::pow(beta1, count));
+      last.bc2 = static_cast<float>(1.0 - std::pow(beta2, count));
+      last_count = count;
+    }
+    out[i] = last;
+  }
+  return out;
+}
+
+// steps[i] += 1 in fp32, once every count has been read.
+inline void increment_steps(at::TensorList steps) {
+  for (const at::Tensor& s : steps) *s.data_ptr<float>() += 1.0f;
+}
+
+// ---- storage types ------------------------------------------------------------------------
+
+template <typename T>
+struct StorageType {
+  using type = T;
+};
+
+// fn(StorageType<T>{}) for the storage type T of a supported dtype: float, at::Half, at::BFloat16.
+template <typename Fn>
+inline decltype(auto) visit_storage_type(at::ScalarType dtype, Fn&& fn) {
+  switch (dtype) {
+    case at::kHalf:
+      return fn(StorageType<at::Half>{});
+    case at::kBFloat16:
+      return fn(StorageType<at::BFloat16>{});
+    default:
+      return fn(StorageType<float>{});
+  }
+}
+
+// As visit_storage_type, for a tensor that may be absent (nullptr: T is void).
+template <typename Fn>
+inline decltype(auto) visit_optional_storage_type(const at::Tensor* t, Fn&& fn) {
+  if (t == nullptr) return fn(StorageType<void>{});
+  return visit_storage_type(t->scalar_type(), fn);
+}
+
+// Kernel<P, G, M>::run for a parameter's, its gradient's and its model parameter's storage types
+// (model nullptr: M is void).
+template <template <typename, typename, typename> class Kernel>
+inline auto step_kernel_for(at::ScalarType param, at::ScalarType grad, const at::Tensor* model) {
+  return visit_storage_type(param, [&](auto p) {
+    return visit_storage_type(grad, [&](auto g) {
+      return visit_optional_storage_type(model, [&](auto m) {
+        return &Kernel<typename decltype(p)::type, typename decltype(g)::type,
+                       typename decltype(m)::type>::run;
+      });
+    });
+  });
+}
+
+// &base[index] as a T*, or nullptr when T is void (an absent tensor).
+template <typename T>
+inline T* element_ptr(void* base, int64_t index) {
+  if constexpr (std::is_void_v<T>) {
+    return nullptr;
+  } else {
+    return static_cast<T*>(base) + index;
+  }
+}
+
+template <typename T>
+inline const T* element_ptr(const void* base, int64_t index) {
+  if constexpr (std::is_void_v<T>) {
+    return nullptr;
+  } else {
+    return static_cast<const T*>(base) + index;
+  }
+}
+
+// ---- the element loop -----------------------------------------------------------------------
+
+// fp32 state at x: FVec::size() elements, or one.
+template <typename V>
+inline V load_state(const float* x) {
+  if constexpr (std::is_same_v<V, FVec>) {
+    return FVec::loadu(x);
+  } else {
+    return *x;
+  }
+}
+
+inline void store_state(float* x, const FVec& value) { value.store(x); }
+inline void store_state(float* x, float value) { *x = value; }
+
+// Correctly rounded square roots (vsqrtps / sqrtss).
+inline FVec sqrt_lanes(const FVec& x) { return x.sqrt(); }
+inline float sqrt_lanes(float x) { return std::sqrt(x); }
+
+// The driver of a step over the n elements of one segment: p = float(param[j]) and
+// g = float(grad[j]) (G void: no gradient; g is 0 and unused), update(p, g, j) changes p, and p
+// is rounded once into param[j] and, unless M is void, into model[j]. update is called with
+// V = FVec for the FVec::size() elements from j, and with V = float for one element j (the
+// segment's last elements).
+template <typename P, typename G, typename M, typename UpdateFn>
+inline void update_segment(P* param, const G* grad, M* model, int64_t n, UpdateFn&& update) {
+  int64_t i = 0;
+  for (; i + kStep <= n; i += kStep) {
+    FVec p_lo, p_hi;
+    FVec g_lo(0.0f), g_hi(0.0f);
+    load_fp32(param + i, p_lo, p_hi);
+    if constexpr (!std::is_void_v<G>) load_fp32(grad + i, g_lo, g_hi);
+    update(p_lo, g_lo, i);
+    update(p_hi, g_hi, i + FVec::size());
+    store_from_fp32(param + i, p_lo, p_hi);
+    if constexpr (!std::is_void_v<M>) store_from_fp32(model + i, p_lo, p_hi);
+  }
+  for (; i < n; ++i) {
+    float p = static_cast<float>(param[i]);
+    float g = 0.0f;
+    if constexpr (!std::is_void_v<G>) g = static_cast<float>(grad[i]);
+    update(p, g, i);
+    param[i] = static_cast<P>(p);
+    if constexpr (!std::is_void_v<M>) model[i] = static_cast<M>(p);
+  }
+}
+
+// ---- Adam (and LAMB) ----------------------------------------------------------------------
+
+// A call's constants in fp32, as the reference rounds them.
+struct AdamConstants {
+  float inv_scale;
+  float clip;  // LAMB's clip divisor (grad_norm / max_grad_norm)
+  float beta1;
+  float beta3;  // 1 - beta1 (in double, then fp32), or 1 for LAMB without grad averaging
+  float beta2;
+  float one_minus_beta2;
+  float eps;
+  float weight_decay;
+  bool clip_grad;     // divide the true gradient by clip
+  bool decay_grad;    // weight_decay != 0 and not adam_w_mode: g += weight_decay * p
+  bool decay_update;  // weight_decay != 0 and adam_w_mode: update += weight_decay * p
+};
+
+inline AdamConstants adam_constants(const at::Tensor& inv_scale, double beta1, double beta3,
+                                    double beta2, double eps, double weight_decay,
+                                    bool adam_w_mode) {
+  AdamConstants c;
+  c.inv_scale = read_scalar(inv_scale);
+  c.clip = 1.0f;
+  c.beta1 = static_cast<float>(beta1);
+  c.beta3 = static_cast<float>(beta3);
+  c.beta2 = static_cast<float>(beta2);
+  c.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  c.eps = static_cast<float>(eps);
+  c.weight_decay = static_cast<float>(weight_decay);
+  c.clip_grad = false;
+  c.decay_grad = weight_decay != 0.0 && !adam_w_mode;
+  c.decay_update = weight_decay != 0.0 && adam_w_mode;
+  return c;
+}
+
+// One parameter of an Adam-like call: where its tensors are (contiguous), its bias corrections
+// and the factor of its update (lr, or LAMB's lr * trust ratio).
+struct AdamTensor {
+  void* param;
+  const void* grad;
+  float* exp_avg;
+  float* exp_avg_sq;
+  void* model;  // nullptr: no model parameter
+  BiasCorrection bias;
+  float step_size;
+};
+
+// The direction from the updated moments: (m / bc1) / (sqrt(v / bc2) + eps), plus
+// weight_decay * p in AdamW mode.
+template <typename V>
+inline V adam_direction(const AdamConstants& c, const BiasCorrection& bias, const V& p, const V& m,
+                        const V& v) {
+  V update = (m / V(bias.bc1)) / (sqrt_lanes(v / V(bias.bc2)) + V(c.eps));
+  if (c.decay_update) update = update + V(c.weight_decay) * p;
+  return update;
+}
+
+// From float(grad) g: the true gradient (unscaled, clipped, L2-decayed), the moments updated in
+// place at m and v, and the direction returned.
+template <typename V>
+inline V adam_moments_and_direction(const AdamConstants& c, const BiasCorrection& bias,
+                                    const V& p, V g, float* m, float* v) {
+  g = g * V(c.inv_scale);
+  if (c.clip_grad) g = g / V(c.clip);
+  if (c.decay_grad) g = g + V(c.weight_decay) * p;
+  const V m_new = V(c.beta1) * load_state<V>(m) + V(c.beta3) * g;
+  const V v_new = V(c.beta2) * load_state<V>(v) + (V(c.one_minus_beta2) * g) * g;
+  store_state(m, m_new);
+  store_state(v, v_new);
+  return adam_direction(c, bias, p, m_new, v_new);
+}
+
+// p = p - step_size * direction over one segment of one parameter. With a gradient type G the
+// moments are updated from the gradient first (Adam; LAMB without trust ratios); with G void
+// the direction comes from the moments as stored (LAMB's second stage).
+template <typename P, typename G, typename M>
+struct AdamStep {
+  static void run(const AdamConstants& constants, const AdamTensor& t, int64_t begin, int64_t n) {
+    const AdamConstants c = constants;  // a local copy: the stores below cannot alias it
+    const BiasCorrection bias = t.bias;
+    const float step_size = t.step_size;
+    float* m = t.exp_avg + begin;
+    float* v = t.exp_avg_sq + begin;
+    update_segment(element_ptr<P>(t.param, begin), element_ptr<G>(t.grad, begin),
+                   element_ptr<M>(t.model, begin), n, [&](auto& p, auto g, int64_t j) {
+                     using V = std::decay_t<decltype(p)>;
+                     V update;
+                     if constexpr (std::is_void_v<G>) {
+                       update = adam_direction(c, bias, p, load_state<V>(m + j),
+                                               load_state<V>(v + j));
+                     } else {
+                       update = adam_moments_and_direction(c, bias, p, g, m + j, v + j);
+                     }
+                     p = p - V(step_size) * update;
+                   });
+  }
+};
+
+using AdamStepFn = void (*)(const AdamConstants&, const AdamTensor&, int64_t, int64_t);
+
+// The contiguous stand-ins of an Adam-like call's lists; write_back() copies the results into the
+// non-contiguous originals (parameters, moments, model parameters).
+class AdamLists {
+ public:
+  AdamLists(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+            at::TensorList exp_avg_sqs, at::TensorList model_params)
+      : params_(params, ContiguousList::Use::kRead),
+        grads_(grads, ContiguousList::Use::kRead),
+        exp_avgs_(exp_avgs, ContiguousList::Use::kRead),
+        exp_avg_sqs_(exp_avg_sqs, ContiguousList::Use::kRead),
+        model_params_(model_params, ContiguousList::Use::kWrite) {}
+
+  at::TensorList params() const { return params_.list(); }
+
+  // One AdamTensor per parameter, with its bias corrections and step_size as its factor.
+  std::vector<AdamTensor> tensors(const std::vector<BiasCorrection>& bias, float step_size) const {
+    const at::TensorList params = params_.list(), grads = grads_.list();
+    const at::TensorList exp_avgs = exp_avgs_.list(), exp_avg_sqs = exp_avg_sqs_.list();
+    const at::TensorList models = model_params_.list();
+    std::vector<AdamTensor> out(params.size());
+    for (size_t i = 0; i < params.size(); ++i) {
+      out[i] = AdamTensor{params[i].data_ptr(),
+                          grads[i].data_ptr(),
+                          exp_avgs[i].data_ptr<float>(),
+                          exp_avg_sqs[i].data_ptr<float>(),
+                          models.empty() ? nullptr : models[i].data_ptr(),
+                          bias[i],
+                          step_size};
+    }
+    return out;
+  }
+
+  // The model parameter of parameter i, or nullptr when the call has none.
+  const at::Tensor* model(size_t i) const {
+    return model_params_.list().empty() ? nullptr : &model_params_.list()[i];
+  }
+  at::ScalarType grad_dtype(size_t i) const { return grads_.list()[i].scalar_type(); }
+
+  void write_back() const {
+    params_.write_back();
+    exp_avgs_.write_back();
+    exp_avg_sqs_.write_back();
+    model_params_.write_back();
+  }
+
+ private:
+  ContiguousList params_, grads_, exp_avgs_, exp_avg_sqs_, model_params_;
+};
+
+// The one parallel pass of AdamStep<P, G, M> over every parameter of the call.
+inline void adam_step_pass(const AdamConstants& c, const AdamLists& lists,
+                           const std::vector<AdamTensor>& tensors) {
+  const at::TensorList params = lists.params();
+  std::vector<AdamStepFn> kernels(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    kernels[i] = step_kernel_for<AdamStep>(params[i].scalar_type(), lists.grad_dtype(i),
+                                           lists.model(i));
+  }
+  parallel_segments(element_offsets(params), [&](int64_t t, int64_t begin, int64_t length) {
+    kernels[t](c, tensors[t], begin, length);
+  });
+}
+
+}  // namespace cpu
+}  // namespace apex_lite
