@@ -257,7 +257,7 @@ def test_o2_step_smoke(runs):
     assert re.search(r"^cpu: .*flags ", stdout, re.MULTILINE)
     for variant in ("fp32 AdamW(fused)", "O2 AdamW", "O2 AdamW unfused", "O2 FusedAdam",
                     "fp32 SGD(fused)", "O2 SGD", "O2 SGD unfused"):
-        ms, ratio, peak, peak_ratio = _row(stdout, variant, 4)
+        ms, ratio, peak, peak_ratio, steps_peak, steps_ratio = _row(stdout, variant, 6)
         assert ms > 0 and ratio > 0 and math.isfinite(peak)
     assert re.search(r"^O2 AdamW\s.*fused step$", stdout, re.MULTILINE)
     assert re.search(r"^O2 SGD unfused\s.*unfused step \(fused_step=False\)$", stdout,

@@ -465,13 +465,17 @@ class AmpHandle:
             run.kept_fp32[index] = [name for name, _ in kept]
             kept_params = {id(p) for _, m in kept for p in m.parameters()}
             if props.master_weights:
-                # Masters from the original fp32 values, before the cast rounds them.
+                # Masters are the original fp32 values, before the cast rounds them.
                 for name, p in model.named_parameters():
                     if p.is_floating_point() and id(p) not in kept_params:
                         # A parameter shared with a model prepared before keeps its master.
                         master = run.master_of.get(p)
                         if master is None:
-                            master = p.detach().clone()
+                            # The fp32 storage itself becomes the master (``.data``: no autograd
+                            # history, its own version counter); the cast below gives the
+                            # parameter new half storage. No copy: O2's setup never holds
+                            # fp32 twice.
+                            master = p.data
                             master.requires_grad_(p.requires_grad)
                             run.master_of[p] = master
                             run.model_of[master] = p
