@@ -425,8 +425,9 @@ def _meta(*shape):
     return torch.ones(*shape, device="meta")
 
 
-# One exception type and one message per bad call, the same on every backend (the Python checks
-# run before either backend's kernels).
+# One exception type and one message per bad call, the same on every backend (the Python backend
+# is checked in Python before it runs; the native kernels check in C++ and, once they refuse a
+# call, the Python checks name its arguments as the caller passed them).
 BAD_CALLS = {
     "dtype": (lambda d: mt.scale([torch.ones(3, dtype=torch.float64, device=d)],
                                  [torch.ones(3, device=d)], 2.0, torch.zeros(1, device=d)),
@@ -544,6 +545,12 @@ ALIASED_CALLS = {
     "scale expanded output": lambda d: mt.scale([torch.ones(2, 3, device=d)],
                                                 [torch.zeros(3, device=d).expand(2, 3)], 2.0,
                                                 torch.zeros(1, device=d)),
+    # a strided output over an input (on CUDA the op sees a staged copy: checked before staging).
+    "scale strided output over an input": lambda d: (lambda b: mt.scale(
+        [b[0:4]], [b[::2]], 2.0, torch.zeros(1, device=d)))(torch.arange(8.0, device=d)),
+    "axpby strided output over another pair's x": lambda d: (lambda b: mt.axpby(
+        [b[4:6], b[0:2]], [torch.ones(2, device=d)] * 2, [b[0:4:2], torch.empty(2, device=d)],
+        1.0, 1.0, torch.zeros(1, device=d)))(torch.arange(8.0, device=d)),
     "axpby output is another pair's y": lambda d: (lambda xs, ys: mt.axpby(
         xs, ys, [ys[1], ys[0]], 1.0, 1.0, torch.zeros(1, device=d)))(
         [torch.ones(2, device=d), torch.ones(2, device=d)],
@@ -558,6 +565,22 @@ ALIASED_CALLS = {
 def test_partially_aliased_outputs_are_refused(backend, device, case):
     with pytest.raises(ValueError, match=r"shares memory with|has elements that share memory"):
         ALIASED_CALLS[case](device)
+
+
+def test_in_place_calls_are_refused_under_the_callers_names(backend, device):
+    """The in-place forms reach the native kernels as scale_(tensors) and axpby_(ys, xs): the
+    refusal still names the caller's arguments, as the Python backend does."""
+    t = torch.ones(3, device=device)
+    found_inf = torch.zeros(1, device=device)
+    with pytest.raises(ValueError, match=r"^outputs\[0\] shares memory with outputs\[1\]"):
+        mt.scale([t, t], [t, t], 2.0, found_inf)
+    with pytest.raises(TypeError, match=r"^inputs\[1\] has dtype torch.int32"):
+        mt.scale([t, t.int()], [t, t.int()], 2.0, found_inf)
+    rows = _rows(device)
+    with pytest.raises(ValueError, match=r"^outputs\[1\] shares memory with ys\[0\]"):
+        mt.axpby(rows[:2], [rows[1], torch.ones(2, device=device)], rows[:2], 1.0, 1.0, found_inf)
+    with pytest.raises(ValueError, match=r"^xs\[1\] has shape \(2,\) but ys\[1\] has \(3,\)$"):
+        mt.axpby(rows[:2], [rows[0], t], rows[:2], 1.0, 1.0, found_inf)
 
 
 def test_a_refused_aliased_call_writes_nothing(backend, device):
@@ -601,6 +624,31 @@ def test_the_issue_example_is_refused_not_computed_differently_per_backend(backe
     outputs = [torch.empty(2, device=device)] + rows[:2]
     mt.scale(inputs, outputs, 2.0, torch.zeros(1, device=device))
     assert [o.cpu().tolist() for o in outputs] == [[2.0, 4.0], [6.0, 8.0], [10.0, 12.0]]
+
+
+def test_the_native_kernels_check_in_cpp_alone(backend, device, monkeypatch):
+    """A call the native kernels accept runs no Python check per tensor (those cost a Python loop
+    per tensor on every call): the kernels check their own arguments, in C++."""
+    if backend != "native":
+        pytest.skip("the Python backend is checked in Python")
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a Python per-tensor check ran on the native path")
+
+    for name in ("check_tensors", "check_shapes", "check_no_overlap", "check_scale",
+                 "check_axpby", "check_reduction"):
+        monkeypatch.setattr(mt._checks, name, forbidden)
+    xs = [torch.ones(5, device=device), torch.ones(3, 2, dtype=torch.bfloat16, device=device)]
+    outs = [torch.empty_like(x) for x in xs]
+    found_inf = torch.zeros(1, device=device)
+    mt.scale(xs, xs, 2.0, found_inf)
+    mt.scale(xs, outs, 2.0, found_inf)
+    mt.axpby(xs, outs, outs, 1.0, 1.0, found_inf)
+    mt.axpby(xs, outs, xs, 1.0, 1.0, found_inf)
+    mt.axpby(xs, xs, outs, 1.0, 1.0, found_inf)
+    assert mt.l2norm(xs).item() > 0 and mt.nonfinite_flags(xs).tolist() == [False, False]
+    with pytest.raises(AssertionError, match="per-tensor check ran"):   # a refusal names its
+        mt.scale(xs, xs[::-1], 2.0, found_inf)                           # arguments in Python
 
 
 # --- meta tensors (issue row 18) -----------------------------------------------------------------

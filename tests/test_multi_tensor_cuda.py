@@ -313,19 +313,31 @@ def test_misaligned_views_use_the_scalar_path():
 
 
 def test_refuses_bad_arguments_with_clear_errors():
+    # The checks shared with the CPU kernels (csrc/multi_tensor_checks.h: the Python backend's
+    # exception types and messages), then contiguity, which only the CUDA kernels need.
     x = torch.ones(8, 8, device=DEVICE)
     with pytest.raises(RuntimeError, match=r"tensors\[0\] is not contiguous"):
         native.scale_([x.t()], 2.0, _found_inf())
-    with pytest.raises(RuntimeError, match="found_inf must be a CUDA tensor"):
+    with pytest.raises(ValueError, match=r"tensors\[0\] is on cuda:\d+ but found_inf is on cpu"):
         native.scale_([x], 2.0, torch.zeros(1))
-    with pytest.raises(RuntimeError, match="1-element float32"):
+    with pytest.raises(TypeError, match="found_inf must be a 1-element float32 tensor"):
         native.scale_([x], 2.0, torch.zeros(2, device=DEVICE))
-    with pytest.raises(RuntimeError, match=r"inputs has 1 tensors but outputs has 2"):
+    with pytest.raises(ValueError, match=r"inputs has 1 tensors but outputs has 2"):
         native.scale_out([x], [x.clone(), x.clone()], 2.0, _found_inf())
-    with pytest.raises(RuntimeError, match=r"xs\[0\] has shape"):
+    with pytest.raises(ValueError, match=r"xs\[0\] has shape \(8, 8\) but ys\[0\] has \(4,\)"):
         native.axpby_([x], [torch.ones(4, device=DEVICE)], 1.0, 1.0, _found_inf())
-    with pytest.raises(RuntimeError, match="dtype"):
+    with pytest.raises(TypeError, match="has dtype torch.float64"):
         native.scale_([torch.ones(3, dtype=torch.float64, device=DEVICE)], 2.0, _found_inf())
+    with pytest.raises(ValueError, match=r"tensors\[1\] is on cpu but tensors\[0\] is on cuda"):
+        native.l2norm([x, torch.ones(3)], False)
+    rows = list(torch.arange(6.0, device=DEVICE).reshape(3, 2).unbind(0))
+    before = [r.clone() for r in rows]
+    with pytest.raises(ValueError, match=r"outputs\[0\] shares memory with inputs\[1\]"):
+        native.scale_out(rows, rows[1:] + [torch.empty(2, device=DEVICE)], 2.0, _found_inf())
+    with pytest.raises(ValueError, match=r"outputs\[0\] has elements that share memory"):
+        native.scale_out([x], [torch.ones(8, device=DEVICE).expand(8, 8)], 2.0, _found_inf())
+    for r, b in zip(rows, before):
+        assert torch.equal(r, b)
 
 
 def test_empty_lists_and_empty_tensors_are_no_ops():

@@ -5,12 +5,13 @@ or failed with ``APEX_LITE_REQUIRE_EXT=1``.
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
 
 from apex_lite import multi_tensor as mt
-from apex_lite.multi_tensor import _backend, _native
+from apex_lite.multi_tensor import _backend, _checks, _native
 
 
 def _native_ops_or_skip():
@@ -165,24 +166,234 @@ def test_params_that_require_grad_are_written_under_no_grad(ops):
         assert torch.equal(p.detach(), m.bfloat16())
 
 
-@pytest.mark.parametrize("case,message", [
-    ("dtype", "has dtype Double"),
-    ("sizes", "inputs\\[0\\] has shape \\[3\\] but outputs\\[0\\] has \\[4\\]"),
-    ("shape", "inputs\\[0\\] has shape \\[3, 2\\] but outputs\\[0\\] has \\[2, 3\\]"),
-    ("lengths", "inputs has 1 tensors but outputs has 2"),
-    ("found_inf", "found_inf must be a 1-element float32 CPU tensor"),
-])
-def test_cpp_argument_checks(ops, case, message):
-    x, out, found_inf = [torch.ones(3)], [torch.ones(3)], torch.zeros(1)
-    if case == "dtype":
-        x = [torch.ones(3, dtype=torch.float64)]
-    elif case == "sizes":
-        out = [torch.ones(4)]
-    elif case == "shape":
-        x, out = [torch.ones(3, 2)], [torch.ones(2, 3)]
-    elif case == "lengths":
-        out = [torch.ones(3), torch.ones(3)]
+# --- the C++ argument checks (csrc/multi_tensor_checks.h) ----------------------------------------
+#
+# The ops called directly, each refusal compared with what apex_lite/multi_tensor/_checks.py
+# raises for the same call under the op's argument names: the same exception type and message.
+
+def _python_check(name):
+    """The Python checks of op ``name`` (``_checks``), under the op's argument names."""
+    return {
+        "scale_": lambda tensors, scale, found_inf: _checks.check_scale(
+            tensors, tensors, found_inf, True, ("tensors", "tensors")),
+        "scale_out": lambda inputs, outputs, scale, found_inf: _checks.check_scale(
+            inputs, outputs, found_inf, False),
+        "axpby_": lambda xs, ys, a, b, found_inf: _checks.check_axpby(
+            xs, ys, ys, found_inf, ("xs", "ys", "ys")),
+        "axpby_out": lambda xs, ys, outputs, a, b, found_inf: _checks.check_axpby(
+            xs, ys, outputs, found_inf),
+        "l2norm": lambda tensors, per_tensor: _checks.check_reduction(tensors),
+        "nonfinite_flags": lambda tensors: _checks.check_reduction(tensors),
+    }[name]
+
+
+def _raised(call):
+    """``(type, message)`` of what ``call()`` raises, or None."""
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 (comparing what two implementations raise)
+        return type(exc), str(exc)
+    return None
+
+
+# The CPU kernel itself, whatever the tensors' devices: the dispatcher sends a call with a meta
+# tensor to the fake kernels, so the C++ device check is reached by redispatching to CPU.
+_CPU_KERNEL = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+
+
+def _cpu_kernel(name):
+    return lambda *args: getattr(torch.ops.apex_lite, name).default.redispatch(_CPU_KERNEL, *args)
+
+
+def _rows():
+    """Three rows of one (3, 2) tensor."""
+    return list(torch.arange(1.0, 7.0).reshape(3, 2).unbind(0))
+
+
+def _meta(n):
+    return torch.ones(n, device="meta")
+
+
+# name: (op, arguments, exception, message, through): through "op" is the dispatcher (for meta
+# tensors, the fake kernels), "cpu" the CPU kernel.
+BAD_OP_CALLS = {
+    "dtype": ("scale_out", lambda: ([torch.ones(3, dtype=torch.float64)], [torch.ones(3)], 2.0,
+                                    torch.zeros(1)),
+              TypeError, r"^inputs\[0\] has dtype torch.float64; multi-tensor kernels take float32, "
+                         r"float16 and bfloat16 tensors only$", "op"),
+    "int dtype": ("scale_", lambda: ([torch.ones(3), torch.ones(3, dtype=torch.int32)], 2.0,
+                                     torch.zeros(1)),
+                  TypeError, r"^tensors\[1\] has dtype torch.int32", "op"),
+    "output dtype": ("axpby_out", lambda: ([torch.ones(3)], [torch.ones(3)],
+                                           [torch.ones(3, dtype=torch.complex64)], 1.0, 1.0,
+                                           torch.zeros(1)),
+                     TypeError, r"^outputs\[0\] has dtype torch.complex64", "op"),
+    "sizes": ("scale_out", lambda: ([torch.ones(3)], [torch.ones(4)], 2.0, torch.zeros(1)),
+              ValueError, r"^inputs\[0\] has shape \(3,\) but outputs\[0\] has \(4,\)$", "op"),
+    "shape": ("axpby_", lambda: ([torch.ones(3, 2)], [torch.ones(2, 3)], 1.0, 1.0,
+                                 torch.zeros(1)),
+              ValueError, r"^xs\[0\] has shape \(3, 2\) but ys\[0\] has \(2, 3\)$", "op"),
+    "scalar shape": ("scale_out", lambda: ([torch.ones(())], [torch.ones(1)], 2.0,
+                                           torch.zeros(1)),
+                     ValueError, r"^inputs\[0\] has shape \(\) but outputs\[0\] has \(1,\)$",
+                     "op"),
+    "lengths": ("axpby_out", lambda: ([torch.ones(3)], [torch.ones(3)], [], 1.0, 1.0,
+                                      torch.zeros(1)),
+                ValueError, r"^xs has 1 tensors but outputs has 0; they are used pairwise$", "op"),
+    "found_inf size": ("scale_", lambda: ([torch.ones(3)], 2.0, torch.zeros(2)),
+                       TypeError, r"^found_inf must be a 1-element float32 tensor \(create it", "op"),
+    "found_inf dtype": ("axpby_", lambda: ([torch.ones(3)], [torch.ones(3)], 1.0, 1.0,
+                                           torch.zeros(1, dtype=torch.float64)),
+                        TypeError, r"^found_inf must be a 1-element float32 tensor", "op"),
+    # Issue 15 row 9: a list that mixes devices. Through the dispatcher the fake kernels refuse
+    # it; the CPU kernel refuses it in C++.
+    "devices": ("scale_out", lambda: ([torch.ones(2), _meta(2)], [torch.ones(2), _meta(2)], 2.0,
+                                      torch.zeros(1)),
+                ValueError, r"^inputs\[1\] is on meta but found_inf is on cpu; all tensors of a "
+                            r"call must be on one device. Call once per device.$", "op"),
+    "devices, CPU kernel": ("scale_out", lambda: ([torch.ones(2), _meta(2)],
+                                                  [torch.ones(2), _meta(2)], 2.0, torch.zeros(1)),
+                            ValueError, r"^inputs\[1\] is on meta but found_inf is on cpu", "cpu"),
+    "output device, CPU kernel": ("axpby_out", lambda: ([torch.ones(2)], [torch.ones(2)],
+                                                        [_meta(2)], 1.0, 1.0, torch.zeros(1)),
+                                  ValueError, r"^outputs\[0\] is on meta but found_inf is on cpu",
+                                  "cpu"),
+    "l2norm devices": ("l2norm", lambda: ([torch.ones(2), _meta(2)], False),
+                       ValueError, r"^tensors\[1\] is on meta but tensors\[0\] is on cpu", "op"),
+    "l2norm devices, CPU kernel": ("l2norm", lambda: ([torch.ones(2), _meta(2)], False),
+                                   ValueError, r"^tensors\[1\] is on meta but tensors\[0\] is on cpu",
+                                   "cpu"),
+    "nonfinite_flags devices, CPU kernel": (
+        "nonfinite_flags", lambda: ([torch.ones(2), _meta(2)],),
+        ValueError, r"^tensors\[1\] is on meta but tensors\[0\] is on cpu", "cpu"),
+    # Issue 15 row 8: outputs that overlap another tensor of the call.
+    "output is the next input": ("scale_out", lambda: (lambda r: (r, r[1:] + [torch.empty(2)],
+                                                                  2.0, torch.zeros(1)))(_rows()),
+                                 ValueError, r"^outputs\[0\] shares memory with inputs\[1\]: the "
+                                             r"kernels would read elements", "op"),
+    "one tensor twice in place": ("scale_", lambda: (lambda t: ([t, t], 2.0, torch.zeros(1)))(
+        torch.ones(3)), ValueError, r"^tensors\[0\] shares memory with tensors\[1\]", "op"),
+    "overlapping views": ("scale_out", lambda: (lambda b: ([b[0:4]], [b[2:6]], 2.0,
+                                                           torch.zeros(1)))(torch.arange(6.0)),
+                          ValueError, r"^outputs\[0\] shares memory with inputs\[0\]", "op"),
+    "outputs overlap": ("scale_out", lambda: (lambda b: ([torch.ones(3), torch.ones(3)],
+                                                         [b[0:3], b[1:4]], 2.0, torch.zeros(1)))(
+        torch.zeros(4)), ValueError, r"^outputs\[0\] shares memory with outputs\[1\]", "op"),
+    "expanded output": ("scale_out", lambda: ([torch.ones(2, 3)], [torch.zeros(3).expand(2, 3)],
+                                              2.0, torch.zeros(1)),
+                        ValueError, r"^outputs\[0\] has elements that share memory \(an expand\(\)ed",
+                        "op"),
+    "strided output over an input": ("scale_out", lambda: (lambda b: ([b[0:4]], [b[::2]], 2.0,
+                                                                      torch.zeros(1)))(
+        torch.arange(8.0)), ValueError, r"^outputs\[0\] shares memory with inputs\[0\]", "op"),
+    "axpby_ y is another pair's x": ("axpby_", lambda: (lambda r: (r[:2], [r[1], torch.ones(2)],
+                                                                   1.0, 1.0, torch.zeros(1)))(
+        _rows()), ValueError, r"^ys\[0\] shares memory with xs\[1\]", "op"),
+    "axpby_out output is another pair's y": (
+        "axpby_out", lambda: (lambda ys: ([torch.ones(2), torch.ones(2)], ys, [ys[1], ys[0]], 1.0,
+                                          1.0, torch.zeros(1)))([torch.ones(2), torch.ones(2)]),
+        ValueError, r"shares memory with ys\[", "op"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_OP_CALLS))
+def test_cpp_argument_checks(ops, case):
+    """The op refuses the call in C++ (or, for meta tensors, in its fake kernel) with the
+    exception type and message the Python checks give."""
+    name, args, error, message, through = BAD_OP_CALLS[case]
+    op = getattr(ops, name) if through == "op" else _cpu_kernel(name)
+    native = _raised(lambda: op(*args()))
+    assert native is not None, f"{case}: the op accepted the call"
+    assert native[0] is error, native
+    assert re.search(message, native[1]), native[1]
+    assert _raised(lambda: _python_check(name)(*args())) == native
+
+
+def test_a_refused_op_call_writes_nothing(ops):
+    rows = _rows()
+    before = [r.clone() for r in rows]
+    found_inf = torch.zeros(1)
+    rows[2][0] = float("inf")
+    before[2][0] = float("inf")
+    with pytest.raises(ValueError, match="shares memory"):
+        ops.scale_out(rows, rows[1:] + [torch.empty(2)], 2.0, found_inf)
+    for r, b in zip(rows, before):
+        assert torch.equal(r, b)
+    assert found_inf.item() == 0.0
+
+
+@pytest.mark.parametrize("name", ["scale_out", "axpby_out", "axpby_", "scale_"])
+def test_outputs_that_are_their_own_inputs_pass_the_cpp_checks(ops, name):
+    """In place per pair (the same tensor, or a second view of its elements), inputs that share
+    memory, rows of one buffer that do not overlap: accepted and computed."""
+    rows = _rows()
+    x = torch.ones(2)
+    if name == "scale_out":
+        ops.scale_out([rows[0], x, x], [rows[0].view(2), rows[1], rows[2]], 2.0, torch.zeros(1))
+        expected = [[2.0, 4.0], [2.0, 2.0], [2.0, 2.0]]
+    elif name == "axpby_out":
+        ops.axpby_out([rows[0], x, rows[2]], [rows[0], x, rows[2]],
+                      [rows[0], rows[1], rows[2].view(1, 2)[0]], 1.0, 1.0, torch.zeros(1))
+        expected = [[2.0, 4.0], [2.0, 2.0], [10.0, 12.0]]
+    elif name == "axpby_":
+        ops.axpby_([rows[0].view(2), x, x], rows, 1.0, 1.0, torch.zeros(1))
+        expected = [[2.0, 4.0], [4.0, 5.0], [6.0, 7.0]]
     else:
-        found_inf = torch.zeros(2)
-    with pytest.raises(RuntimeError, match=message):
-        ops.scale_out(x, out, 2.0, found_inf)
+        ops.scale_(rows, 2.0, torch.zeros(1))
+        expected = [[2.0, 4.0], [6.0, 8.0], [10.0, 12.0]]
+    assert [r.tolist() for r in rows] == expected
+
+
+def _random_view(buffer, generator):
+    """A random view of ``buffer`` (64 fp32 elements): a slice, a strided slice, a 2-D block or
+    its transpose, an expanded row; or a tensor of its own."""
+    kind = int(torch.randint(8, (), generator=generator))
+    start = int(torch.randint(0, 32, (), generator=generator))
+    length = int(torch.randint(1, 17, (), generator=generator))
+    if kind < 2:
+        return buffer[start:start + length]
+    if kind < 4:
+        return buffer[start::3][:length]
+    if kind == 4:
+        return buffer[start:start + 16].view(4, 4)[:, :2]
+    if kind == 5:
+        return buffer[start:start + 16].view(4, 4).t()
+    if kind == 6:
+        return buffer[start:start + 4].expand(3, 4)
+    return torch.zeros(length)
+
+
+def test_the_cpp_overlap_check_decides_as_the_python_one(ops):
+    """Random calls over views of two buffers: the C++ checks refuse exactly the calls the Python
+    ones refuse, naming the same pair (the first refusal in sorted order), and accept the rest."""
+    generator = torch.Generator().manual_seed(15)
+    buffers = [torch.zeros(64), torch.zeros(64)]
+    refused = 0
+    for trial in range(400):
+        n = int(torch.randint(1, 6, (), generator=generator))
+        lists = [[_random_view(buffers[int(torch.randint(2, (), generator=generator))], generator)
+                  for _ in range(n)] for _ in range(3)]
+        # Give pairs the same shape (the shape check comes first), and make some pairs in place.
+        xs, ys, outs = lists
+        ys = [y if y.shape == x.shape else x.clone() for x, y in zip(xs, ys)]
+        for i in range(n):
+            choice = int(torch.randint(4, (), generator=generator))
+            if choice == 0:
+                outs[i] = xs[i]
+            elif choice == 1:
+                outs[i] = xs[i].view(xs[i].shape) if not xs[i].is_contiguous() else xs[i].view(-1) \
+                    .view(xs[i].shape)
+            elif outs[i].shape != xs[i].shape:
+                outs[i] = torch.empty(xs[i].shape)
+        name = ("scale_out", "axpby_out", "axpby_", "scale_")[trial % 4]
+        args = {"scale_out": (xs, outs, 2.0, torch.zeros(1)),
+                "axpby_out": (xs, ys, outs, 1.0, 1.0, torch.zeros(1)),
+                "axpby_": (xs, outs, 1.0, 1.0, torch.zeros(1)),
+                "scale_": (outs, 2.0, torch.zeros(1))}[name]
+        expected = _raised(lambda: _python_check(name)(*args))
+        refused += expected is not None
+        # (An accepted call runs the kernel over the scratch buffers.)
+        assert _raised(lambda: getattr(ops, name)(*args)) == expected, (trial, name)
+    assert 100 < refused < 300
+
+

@@ -1,6 +1,10 @@
 """Fake (meta) kernels for the ``apex_lite`` ops, so torch.compile and opcheck can trace them.
 
-The in-place and ``_out`` ops return nothing; their mutations are declared in the schemas.
+The in-place and ``_out`` ops return nothing; their mutations are declared in the schemas. The
+dispatcher calls these kernels instead of the C++ ones whenever a meta tensor is among the
+arguments (a list that mixes CPU and meta tensors included), so they check the arguments as the
+C++ kernels do (``_checks``, with the ops' argument names), except for memory overlap: meta and
+fake tensors have no memory, and the real kernels check it when they run.
 """
 from __future__ import annotations
 
@@ -8,29 +12,32 @@ from typing import List, Tuple
 
 import torch
 
+from . import _checks
+
 _registered = False
 
 
 def _scale_(tensors: List[torch.Tensor], scale: float, found_inf: torch.Tensor) -> None:
-    return None
+    _checks.check_scale(tensors, tensors, found_inf, True, ("tensors", "tensors"), memory=False)
 
 
 def _scale_out(inputs: List[torch.Tensor], outputs: List[torch.Tensor], scale: float,
                found_inf: torch.Tensor) -> None:
-    return None
+    _checks.check_scale(inputs, outputs, found_inf, False, memory=False)
 
 
 def _axpby_(xs: List[torch.Tensor], ys: List[torch.Tensor], a: float, b: float,
             found_inf: torch.Tensor) -> None:
-    return None
+    _checks.check_axpby(xs, ys, ys, found_inf, ("xs", "ys", "ys"), memory=False)
 
 
 def _axpby_out(xs: List[torch.Tensor], ys: List[torch.Tensor], outputs: List[torch.Tensor],
                a: float, b: float, found_inf: torch.Tensor) -> None:
-    return None
+    _checks.check_axpby(xs, ys, outputs, found_inf, memory=False)
 
 
 def _l2norm(tensors: List[torch.Tensor], per_tensor: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    _checks.check_reduction(tensors)
     device = tensors[0].device if tensors else torch.device("cpu")
     total = torch.empty(1, dtype=torch.float32, device=device)
     norms = torch.empty(len(tensors) if per_tensor else 0, dtype=torch.float32, device=device)
@@ -38,6 +45,7 @@ def _l2norm(tensors: List[torch.Tensor], per_tensor: bool) -> Tuple[torch.Tensor
 
 
 def _nonfinite_flags(tensors: List[torch.Tensor]) -> torch.Tensor:
+    _checks.check_reduction(tensors)
     device = tensors[0].device if tensors else torch.device("cpu")
     return torch.empty(len(tensors), dtype=torch.bool, device=device)
 

@@ -5,7 +5,11 @@ Two sets, one per staging policy for non-contiguous tensors:
   tensors through contiguous copies in C++, so no Python loop runs over the tensors.
 - ``STAGED_OPS`` (CUDA) check contiguity in Python and stage non-contiguous tensors through
   contiguous copies here, copying outputs back, because the CUDA kernels may require contiguous
-  tensors. The check is the only per-tensor Python work on their common path.
+  tensors. The check is the only per-tensor Python work on their common path. Where they stage,
+  the op sees copies, not the caller's tensors, and cannot tell whether those overlap: so a call
+  that writes is checked here first (``_checks``, all the op's checks in its order, with its
+  argument names), on the caller's tensors. Staging copies every non-contiguous tensor; the
+  checks' Python loop is small beside that, and the common, contiguous path does not run it.
 The fused optimizer ops stage the same way: a list the op reads and writes (parameters, state)
 through contiguous copies, a list it only writes (model parameters) through fresh buffers.
 Imported only after ``apex_lite._C`` is loaded.
@@ -16,6 +20,8 @@ from types import SimpleNamespace
 from typing import List, Sequence, Tuple
 
 import torch
+
+from . import _checks
 
 Tensors = Sequence[torch.Tensor]
 
@@ -62,6 +68,7 @@ def scale_(tensors: Tensors, scale: float, found_inf: torch.Tensor) -> None:
     if _contiguous(tensors):
         _scale_(tensors, scale, found_inf)
         return
+    _checks.check_scale(tensors, tensors, found_inf, True, ("tensors", "tensors"))
     staged = _read_copies(tensors)
     _scale_(staged, scale, found_inf)
     _copy_back(tensors, staged)
@@ -72,6 +79,7 @@ def scale_out(inputs: Tensors, outputs: Tensors, scale: float, found_inf: torch.
     if _contiguous(inputs) and _contiguous(outputs):
         _scale_out(inputs, outputs, scale, found_inf)
         return
+    _checks.check_scale(inputs, outputs, found_inf, False)
     staged_out = _write_buffers(outputs)
     _scale_out(_read_copies(inputs), staged_out, scale, found_inf)
     _copy_back(outputs, staged_out)
@@ -82,6 +90,7 @@ def axpby_(xs: Tensors, ys: Tensors, a: float, b: float, found_inf: torch.Tensor
     if _contiguous(xs) and _contiguous(ys):
         _axpby_(xs, ys, a, b, found_inf)
         return
+    _checks.check_axpby(xs, ys, ys, found_inf, ("xs", "ys", "ys"))
     staged_ys = _read_copies(ys)
     _axpby_(_read_copies(xs), staged_ys, a, b, found_inf)
     _copy_back(ys, staged_ys)
@@ -93,6 +102,7 @@ def axpby_out(xs: Tensors, ys: Tensors, outputs: Tensors, a: float, b: float,
     if _contiguous(xs) and _contiguous(ys) and _contiguous(outputs):
         _axpby_out(xs, ys, outputs, a, b, found_inf)
         return
+    _checks.check_axpby(xs, ys, outputs, found_inf)
     staged_out = _write_buffers(outputs)
     _axpby_out(_read_copies(xs), _read_copies(ys), staged_out, a, b, found_inf)
     _copy_back(outputs, staged_out)

@@ -4,8 +4,9 @@
 // two fp32 products and one fp32 sum, no fused multiply-add (built with -ffp-contract=off),
 // rounded once; any of the 27 combinations of fp32/fp16/bf16 for x, y and out (per tensor).
 // found_inf (1-element fp32) is set to 1 when an element of xs or ys is inf or NaN, never written
-// 0. Outputs alias neither input. CPU tensors of any strides (non-contiguous ones are staged
-// through contiguous copies), possibly empty; 64-bit sizes.
+// 0. outputs[i] shares memory with no other tensor of the call but xs[i] or ys[i] computed in
+// place (multi_tensor_checks.h: refused before anything is written). CPU tensors of any strides
+// (non-contiguous ones are staged through contiguous copies), possibly empty; 64-bit sizes.
 // One at::parallel_for over chunks spanning all tensors.
 #include "multi_tensor_cpu.h"
 
@@ -17,11 +18,7 @@ namespace {
 
 void axpby_out(at::TensorList given_xs, at::TensorList given_ys, at::TensorList given_outputs,
                double a, double b, const at::Tensor& found_inf) {
-  check_list("axpby_out", "xs", given_xs);
-  check_list("axpby_out", "ys", given_ys);
-  check_list("axpby_out", "outputs", given_outputs);
-  check_same_sizes("axpby_out", "xs", given_xs, "ys", given_ys);
-  check_same_sizes("axpby_out", "xs", given_xs, "outputs", given_outputs);
+  checks::check_axpby_out(given_xs, given_ys, given_outputs, found_inf);
   check_found_inf("axpby_out", found_inf);
   const ContiguousList staged_xs(given_xs, ContiguousList::Use::kRead);
   const ContiguousList staged_ys(given_ys, ContiguousList::Use::kRead);

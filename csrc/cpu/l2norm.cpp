@@ -6,7 +6,8 @@
 // double, per tensor and then over tensors, in index order, so the result does not depend on the
 // thread count; norms are rounded once to fp32. An inf or NaN element makes its tensor's norm
 // and the total inf or NaN. CPU tensors of fp32/fp16/bf16 and any strides (non-contiguous ones
-// are read through contiguous copies), possibly empty (norm 0); 64-bit sizes. One
+// are read through contiguous copies), on the device of tensors[0] (multi_tensor_checks.h),
+// possibly empty (norm 0); 64-bit sizes. One
 // at::parallel_for over chunks spanning all tensors.
 #include "multi_tensor_cpu.h"
 
@@ -43,7 +44,7 @@ SumOfSquaresFn sum_of_squares_for(at::ScalarType t) {
 }
 
 std::tuple<at::Tensor, at::Tensor> l2norm(at::TensorList given, bool per_tensor) {
-  check_list("l2norm", "tensors", given);
+  checks::check_reduction(given);
   const ContiguousList staged(given, ContiguousList::Use::kRead);
   const at::TensorList tensors = staged.list();
   const auto options = at::TensorOptions().dtype(at::kFloat).device(at::kCPU);

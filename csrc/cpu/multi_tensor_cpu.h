@@ -20,6 +20,8 @@
 #include <ATen/ops/zeros.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
+#include "../multi_tensor_checks.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -36,16 +38,15 @@ using FVec = at::vec::Vectorized<float>;
 // Elements handled per vector step: two fp32 vectors, i.e. one vector of 16-bit values.
 constexpr int64_t kStep = 2 * FVec::size();
 
-inline bool is_supported_dtype(at::ScalarType t) {
-  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
-}
+using checks::is_supported_dtype;
 
 // Index of a supported dtype in the kernel tables: fp32 0, fp16 1, bf16 2.
 inline int dtype_index(at::ScalarType t) {
   return t == at::kFloat ? 0 : (t == at::kHalf ? 1 : 2);
 }
 
-// Checks one list: supported dtype, on the CPU. Any strides are accepted (see ContiguousList).
+// Checks one list of a fused optimizer step: supported dtype, on the CPU. Any strides are accepted
+// (see ContiguousList). The multi-tensor ops check theirs with multi_tensor_checks.h.
 inline void check_list(const char* op, const char* name, at::TensorList tensors) {
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i];
@@ -110,7 +111,8 @@ inline void check_same_sizes(const char* op, const char* name_a, at::TensorList 
 }
 
 // found_inf, inv_scale and the like: one fp32 value on the CPU, which the kernels read and write
-// through data_ptr on the host.
+// through data_ptr on the host. (The dispatcher sends a call to the CPU kernels only when all of
+// its tensors are CPU tensors; this keeps the host pointer safe whatever the caller.)
 inline void check_scalar_tensor(const char* op, const char* name, const at::Tensor& t) {
   TORCH_CHECK(t.numel() == 1 && t.scalar_type() == at::kFloat && t.device().is_cpu(),
               "apex_lite::", op, ": ", name, " must be a 1-element float32 CPU tensor, got ",

@@ -2,8 +2,8 @@
 //
 // Contract: returns a bool tensor of shape [len(tensors)], True where tensors[i] has an inf or
 // NaN element; empty tensors are finite. Reads only; CPU tensors of fp32/fp16/bf16 and any
-// strides (non-contiguous ones are read through contiguous copies);
-// 64-bit sizes. One at::parallel_for over chunks spanning all tensors; each segment writes its
+// strides (non-contiguous ones are read through contiguous copies), on the device of tensors[0]
+// (multi_tensor_checks.h); 64-bit sizes. One at::parallel_for over chunks spanning all tensors; each segment writes its
 // own flag and the flags are combined per tensor afterwards, so no two threads write one byte.
 #include "multi_tensor_cpu.h"
 
@@ -38,7 +38,7 @@ HasNonfiniteFn has_nonfinite_for(at::ScalarType t) {
 }
 
 at::Tensor nonfinite_flags(at::TensorList given) {
-  check_list("nonfinite_flags", "tensors", given);
+  checks::check_reduction(given);
   const ContiguousList staged(given, ContiguousList::Use::kRead);
   const at::TensorList tensors = staged.list();
   const int64_t n = static_cast<int64_t>(tensors.size());

@@ -4,7 +4,8 @@
 // found_inf (1-element fp32) is set to 1 when an element was inf or NaN before scaling and is
 // never written 0. Tensors may mix fp32/fp16/bf16, are CPU tensors of any strides (non-contiguous
 // ones are staged through contiguous copies and copied back), may be empty;
-// sizes and offsets are 64-bit. One at::parallel_for over chunks spanning all tensors.
+// sizes and offsets are 64-bit. Arguments are checked as multi_tensor_checks.h says (tensors that
+// share memory are refused) before anything is written. One at::parallel_for over chunks spanning all tensors.
 #include "multi_tensor_cpu.h"
 
 #include <torch/library.h>
@@ -14,7 +15,7 @@ namespace cpu {
 namespace {
 
 void scale_(at::TensorList given, double scale, const at::Tensor& found_inf) {
-  check_list("scale_", "tensors", given);
+  checks::check_scale_(given, found_inf);
   check_found_inf("scale_", found_inf);
   const ContiguousList staged(given, ContiguousList::Use::kRead);
   const at::TensorList tensors = staged.list();

@@ -6,7 +6,9 @@
 // sum, never a fused multiply-add (__fmul_rn / __fadd_rn, whatever -fmad says); a factor of
 // exactly 1 leaves its operand unchanged, as torch's unscale kernel does. a and b are converted
 // from double to float once, on the host. found_inf (1-element fp32) is set to 1.0f when an
-// element of x or y is inf or NaN and never written otherwise. No host synchronisation.
+// element of x or y is inf or NaN and never written otherwise. No host synchronisation. Arguments
+// are checked as ../multi_tensor_checks.h says (outputs that share memory with another tensor of
+// the call are refused) before anything is launched; tensors are contiguous.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -53,10 +55,9 @@ struct AxpbyOp {
 
 void axpby_inplace_cuda(at::TensorList xs, at::TensorList ys, double a, double b,
                         const at::Tensor& found_inf) {
-  check_found_inf("axpby_", found_inf);
-  check_same_shapes("axpby_", "xs", xs, "ys", ys);
-  check_tensor_list("axpby_", "xs", xs, found_inf.device());
-  check_tensor_list("axpby_", "ys", ys, found_inf.device());
+  checks::check_axpby_(xs, ys, found_inf);
+  check_contiguous("axpby_", "xs", xs);
+  check_contiguous("axpby_", "ys", ys);
   const c10::cuda::CUDAGuard guard(found_inf.device());
   const float a_fp32 = static_cast<float>(a);
   const float b_fp32 = static_cast<float>(b);
@@ -76,12 +77,10 @@ void axpby_inplace_cuda(at::TensorList xs, at::TensorList ys, double a, double b
 
 void axpby_out_cuda(at::TensorList xs, at::TensorList ys, at::TensorList outputs, double a,
                     double b, const at::Tensor& found_inf) {
-  check_found_inf("axpby_out", found_inf);
-  check_same_shapes("axpby_out", "xs", xs, "ys", ys);
-  check_same_shapes("axpby_out", "xs", xs, "outputs", outputs);
-  check_tensor_list("axpby_out", "xs", xs, found_inf.device());
-  check_tensor_list("axpby_out", "ys", ys, found_inf.device());
-  check_tensor_list("axpby_out", "outputs", outputs, found_inf.device());
+  checks::check_axpby_out(xs, ys, outputs, found_inf);
+  check_contiguous("axpby_out", "xs", xs);
+  check_contiguous("axpby_out", "ys", ys);
+  check_contiguous("axpby_out", "outputs", outputs);
   const c10::cuda::CUDAGuard guard(found_inf.device());
   const float a_fp32 = static_cast<float>(a);
   const float b_fp32 = static_cast<float>(b);

@@ -80,9 +80,9 @@ __global__ void __launch_bounds__(kReduceBlockSize)
 
 std::tuple<at::Tensor, at::Tensor> l2norm_cuda(at::TensorList tensors, bool per_tensor) {
   TORCH_CHECK(!tensors.empty(), "apex_lite::l2norm: the CUDA kernel needs at least one tensor");
+  checks::check_reduction(tensors);
+  check_contiguous("l2norm", "tensors", tensors);
   const at::Device device = tensors[0].device();
-  TORCH_CHECK(device.is_cuda(), "apex_lite::l2norm: tensors[0] is not a CUDA tensor");
-  check_tensor_list("l2norm", "tensors", tensors, device);
   const c10::cuda::CUDAGuard guard(device);
   const auto fp32 = at::TensorOptions().dtype(at::kFloat).device(device);
   const int64_t n = static_cast<int64_t>(tensors.size());

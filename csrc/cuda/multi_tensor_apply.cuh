@@ -24,6 +24,7 @@
 #include <utility>
 #include <vector>
 
+#include "../multi_tensor_checks.h"
 #include "launch_plan.h"
 
 namespace apex_lite {
@@ -273,12 +274,22 @@ __device__ __forceinline__ float block_sum(float v) {
 
 // ---- host-side checks and dtype dispatch -------------------------------------------------------
 
-inline bool is_supported_dtype(at::ScalarType dtype) {
-  return dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16;
+// The multi-tensor ops check their arguments with ../multi_tensor_checks.h (shared with the CPU
+// kernels), then check_contiguous; the fused optimizer steps with check_tensor_list and the rest.
+using checks::is_supported_dtype;
+
+// What the kernels rely on beyond the shared checks: contiguous tensors (apex_lite.multi_tensor
+// stages non-contiguous tensors before calling the op).
+inline void check_contiguous(const char* op, const char* name, at::TensorList tensors) {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    TORCH_CHECK(tensors[i].is_contiguous(), "apex_lite::", op, ": ", name, "[", i,
+                "] is not contiguous; call apex_lite.multi_tensor (which stages non-contiguous "
+                "tensors) or pass .contiguous() tensors");
+  }
 }
 
 // Checks what the kernels rely on: every tensor a CUDA tensor on `device`, of a supported dtype,
-// contiguous (apex_lite.multi_tensor stages non-contiguous tensors before calling the op).
+// contiguous.
 inline void check_tensor_list(const char* op, const char* name, at::TensorList tensors,
                               const at::Device& device) {
   for (size_t i = 0; i < tensors.size(); ++i) {
@@ -289,10 +300,8 @@ inline void check_tensor_list(const char* op, const char* name, at::TensorList t
                 "; all tensors (and found_inf) must be on one CUDA device");
     TORCH_CHECK(is_supported_dtype(t.scalar_type()), "apex_lite::", op, ": ", name, "[", i,
                 "] has dtype ", t.scalar_type(), "; only float32, float16 and bfloat16 are supported");
-    TORCH_CHECK(t.is_contiguous(), "apex_lite::", op, ": ", name, "[", i,
-                "] is not contiguous; call apex_lite.multi_tensor (which stages non-contiguous "
-                "tensors) or pass .contiguous() tensors");
   }
+  check_contiguous(op, name, tensors);
 }
 
 inline void check_found_inf(const char* op, const at::Tensor& found_inf) {

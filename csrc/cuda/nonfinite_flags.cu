@@ -41,9 +41,9 @@ struct NonfiniteFlagOp {
 at::Tensor nonfinite_flags_cuda(at::TensorList tensors) {
   TORCH_CHECK(!tensors.empty(),
               "apex_lite::nonfinite_flags: the CUDA kernel needs at least one tensor");
+  checks::check_reduction(tensors);
+  check_contiguous("nonfinite_flags", "tensors", tensors);
   const at::Device device = tensors[0].device();
-  TORCH_CHECK(device.is_cuda(), "apex_lite::nonfinite_flags: tensors[0] is not a CUDA tensor");
-  check_tensor_list("nonfinite_flags", "tensors", tensors, device);
   const c10::cuda::CUDAGuard guard(device);
   const int64_t n = static_cast<int64_t>(tensors.size());
   TORCH_CHECK(n <= INT32_MAX, "apex_lite::nonfinite_flags: at most 2**31 - 1 tensors per call");

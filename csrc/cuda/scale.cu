@@ -3,7 +3,9 @@
 // Contract (the Python backend is the reference, bit for bit): out = round_to_out(float(in) *
 // float(scale)), with scale converted from double to float once, on the host; a scale of exactly
 // 1 copies the widened value unchanged. found_inf (1-element fp32) is set to 1.0f when an input
-// element is inf or NaN and never written otherwise. No host synchronisation.
+// element is inf or NaN and never written otherwise. No host synchronisation. Arguments are
+// checked as ../multi_tensor_checks.h says (outputs that share memory with another tensor of the
+// call are refused) before anything is launched; tensors are contiguous.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -44,8 +46,8 @@ struct ScaleOp {
 };
 
 void scale_inplace_cuda(at::TensorList tensors, double scale, const at::Tensor& found_inf) {
-  check_found_inf("scale_", found_inf);
-  check_tensor_list("scale_", "tensors", tensors, found_inf.device());
+  checks::check_scale_(tensors, found_inf);
+  check_contiguous("scale_", "tensors", tensors);
   const c10::cuda::CUDAGuard guard(found_inf.device());
   const float scale_fp32 = static_cast<float>(scale);
   float* found_inf_ptr = found_inf.data_ptr<float>();
@@ -60,10 +62,9 @@ void scale_inplace_cuda(at::TensorList tensors, double scale, const at::Tensor& 
 
 void scale_out_cuda(at::TensorList inputs, at::TensorList outputs, double scale,
                     const at::Tensor& found_inf) {
-  check_found_inf("scale_out", found_inf);
-  check_same_shapes("scale_out", "inputs", inputs, "outputs", outputs);
-  check_tensor_list("scale_out", "inputs", inputs, found_inf.device());
-  check_tensor_list("scale_out", "outputs", outputs, found_inf.device());
+  checks::check_scale_out(inputs, outputs, found_inf);
+  check_contiguous("scale_out", "inputs", inputs);
+  check_contiguous("scale_out", "outputs", outputs);
   const c10::cuda::CUDAGuard guard(found_inf.device());
   const float scale_fp32 = static_cast<float>(scale);
   float* found_inf_ptr = found_inf.data_ptr<float>();

@@ -1,0 +1,300 @@
+// The argument checks of the multi-tensor ops (scale_, scale_out, axpby_, axpby_out, l2norm,
+// nonfinite_flags), shared by their CPU and CUDA kernels.
+//
+// Contract: every check is one that apex_lite/multi_tensor/_checks.py makes for the Python
+// backend, made in the same order, raising the same exception type (TORCH_CHECK_TYPE: TypeError,
+// TORCH_CHECK_VALUE: ValueError) with the same message, so that a bad call is refused alike by
+// every backend and the Python layer does no per-tensor work for the native kernels. The checks
+// read sizes, strides, dtypes, devices and addresses on the host, never an element: no device
+// work, no synchronisation. A kernel makes them all before it writes anything.
+//
+// One header for both devices: the rules and their messages are the same on each, and a single
+// copy cannot drift. Each device adds what only its kernels need (CUDA: contiguous tensors).
+#pragma once
+
+#include <ATen/MemoryOverlap.h>
+#include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+#include <c10/util/Exception.h>
+
+#include <array>
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <vector>
+
+namespace apex_lite {
+namespace checks {
+
+inline bool is_supported_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
+// A dtype as Python prints it ("torch.float64").
+inline std::string python_dtype(at::ScalarType t) {
+  return "torch." + std::string(c10::getDtypeNames(t).first);
+}
+
+// A shape as Python prints tuple(tensor.shape): "(3, 2)", "(3,)", "()".
+inline std::string python_shape(at::IntArrayRef sizes) {
+  std::string text = "(";
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    if (d > 0) text += ", ";
+    text += std::to_string(sizes[d]);
+  }
+  return text + (sizes.size() == 1 ? ",)" : ")");
+}
+
+// A list argument and the name the messages give it.
+struct NamedList {
+  const char* name;
+  at::TensorList tensors;
+};
+
+// found_inf: one fp32 element (its device is checked as the anchor of the tensors').
+inline void check_found_inf(const at::Tensor& found_inf) {
+  TORCH_CHECK_TYPE(found_inf.defined() && found_inf.numel() == 1 &&
+                       found_inf.scalar_type() == at::kFloat,
+                   "found_inf must be a 1-element float32 tensor (create it with "
+                   "torch.zeros(1, device=...) and zero it yourself between steps)");
+}
+
+inline void check_same_length(const NamedList& a, const NamedList& b) {
+  TORCH_CHECK_VALUE(a.tensors.size() == b.tensors.size(), a.name, " has ", a.tensors.size(),
+                    " tensors but ", b.name, " has ", b.tensors.size(),
+                    "; they are used pairwise");
+}
+
+// Per tensor, list by list and in index order: a tensor, of a supported dtype, on `device` (the
+// device of the argument named `anchor`).
+inline void check_tensors(const at::Device& device, const char* anchor,
+                          std::initializer_list<NamedList> lists) {
+  for (const NamedList& list : lists) {
+    for (size_t i = 0; i < list.tensors.size(); ++i) {
+      const at::Tensor& t = list.tensors[i];
+      TORCH_CHECK_TYPE(t.defined(), list.name, "[", i, "] is undefined (None), not a tensor");
+      TORCH_CHECK_TYPE(is_supported_dtype(t.scalar_type()), list.name, "[", i, "] has dtype ",
+                       python_dtype(t.scalar_type()),
+                       "; multi-tensor kernels take float32, float16 and bfloat16 tensors only");
+      TORCH_CHECK_VALUE(t.device() == device, list.name, "[", i, "] is on ", t.device().str(),
+                        " but ", anchor, " is on ", device.str(),
+                        "; all tensors of a call must be on one device. Call once per device.");
+    }
+  }
+}
+
+inline void check_same_shapes(const NamedList& a, const NamedList& b) {
+  for (size_t i = 0; i < a.tensors.size(); ++i) {
+    TORCH_CHECK_VALUE(a.tensors[i].sizes() == b.tensors[i].sizes(), a.name, "[", i,
+                      "] has shape ", python_shape(a.tensors[i].sizes()), " but ", b.name, "[",
+                      i, "] has ", python_shape(b.tensors[i].sizes()));
+  }
+}
+
+// ---- overlap ------------------------------------------------------------------------------------
+//
+// The kernels read and write each pair (or triple) on its own, in chunks and in parallel, so an
+// output that overlaps a tensor of another pair would be read after it was written, or written
+// twice: wrong values, different on each backend. Refused: an output that shares memory with
+// another output, or with an input other than the one it is computed from in place (the same
+// tensor, or the same elements in the same layout); an output whose own elements share memory
+// (an expand()ed view). Inputs may share memory with each other: they are only read.
+//
+// Each tensor's elements lie in the byte range [start, end); the ranges are sorted by start and
+// swept once, comparing each range with those before it that reach it. Sorting is stable (equal
+// starts keep the order outputs, then each input list, by index), so the pair named in the
+// message is the one _checks.check_no_overlap names.
+
+struct Span {
+  uintptr_t start;
+  uintptr_t end;               // one past the last byte
+  const at::Tensor* tensor;
+  const char* name;            // its list's name
+  int64_t index;               // its index in that list
+  bool written;
+  int64_t rank = 0;            // its position in the sorted order
+};
+
+// The bytes of all of t's elements, strided or not (t not empty).
+inline Span span_of(const at::Tensor& t, const char* name, int64_t index, bool written) {
+  const uintptr_t start = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+  int64_t extent = t.numel();
+  if (!t.is_contiguous()) {
+    extent = 1;
+    for (int64_t d = 0; d < t.dim(); ++d) extent += (t.size(d) - 1) * t.stride(d);
+  }
+  const uintptr_t bytes = static_cast<uintptr_t>(extent) * t.element_size();
+  return Span{start, start + bytes, &t, name, index, written};
+}
+
+// An output and an input that view the same elements in the same layout: each element is read
+// where it is written (the in-place form, safe).
+inline bool same_elements(const at::Tensor& a, const at::Tensor& b) {
+  return a.const_data_ptr() == b.const_data_ptr() && a.sizes() == b.sizes() &&
+         a.strides() == b.strides() && a.element_size() == b.element_size();
+}
+
+// The output `written` computed in place from the input `read`: they are one pair.
+inline bool in_place_pair(const Span& written, const Span& read) {
+  return written.index == read.index && same_elements(*written.tensor, *read.tensor);
+}
+
+struct SpanKey {
+  uintptr_t start;
+  size_t span;
+};
+
+// Sorts keys by start, stably: a least-significant-digit radix sort, one pass per byte in which
+// the starts differ (a few: a call's tensors lie within a few GiB). Linear in the number of
+// tensors, which matters at thousands of tensors per call.
+inline void sort_by_start(std::vector<SpanKey>& keys) {
+  if (keys.empty()) return;
+  uintptr_t differing = 0;
+  for (const SpanKey& key : keys) differing |= key.start ^ keys[0].start;
+  std::vector<SpanKey> sorted(keys.size());
+  for (unsigned shift = 0; shift < 8 * sizeof(uintptr_t); shift += 8) {
+    if (((differing >> shift) & 0xff) == 0) continue;
+    std::array<size_t, 257> next{};
+    for (const SpanKey& key : keys) ++next[((key.start >> shift) & 0xff) + 1];
+    for (size_t digit = 0; digit < 256; ++digit) next[digit + 1] += next[digit];
+    for (const SpanKey& key : keys) sorted[next[(key.start >> shift) & 0xff]++] = key;
+    keys.swap(sorted);
+  }
+}
+
+// Raises the error for `first` (an output) sharing memory with `second`.
+inline void refuse_shared(const Span& first, const Span& second) {
+  TORCH_CHECK_VALUE(false, first.name, "[", first.index, "] shares memory with ", second.name,
+                    "[", second.index,
+                    "]: the kernels would read elements that another output already overwrote "
+                    "(or write one element twice), and the backends would disagree. Outputs may "
+                    "be their own inputs (outputs is inputs, or outputs[i] is inputs[i]) but must "
+                    "not overlap any other tensor of the call: write into separate tensors, or "
+                    "clone() the inputs first.");
+}
+
+// Refuses what the block comment above says. `inputs[k].tensors[i]` that is `outputs[i]` itself
+// is left out (the output stands for it). The lists' lengths are checked before.
+inline void check_no_overlap(const NamedList& outputs, std::initializer_list<NamedList> inputs) {
+  std::vector<Span> spans;
+  for (size_t i = 0; i < outputs.tensors.size(); ++i) {
+    const at::Tensor& t = outputs.tensors[i];
+    if (t.numel() == 0) continue;
+    TORCH_CHECK_VALUE(t.is_contiguous() || at::has_internal_overlap(t) != at::MemOverlap::Yes,
+                      outputs.name, "[", i,
+                      "] has elements that share memory (an expand()ed or as_strided view): "
+                      "writing it would race with itself. Write into a tensor of its own "
+                      "(torch.empty_like) instead.");
+    spans.push_back(span_of(t, outputs.name, static_cast<int64_t>(i), true));
+  }
+  for (const NamedList& list : inputs) {
+    for (size_t i = 0; i < list.tensors.size(); ++i) {
+      const at::Tensor& t = list.tensors[i];
+      if (t.numel() == 0 || t.is_same(outputs.tensors[i])) continue;
+      spans.push_back(span_of(t, list.name, static_cast<int64_t>(i), false));
+    }
+  }
+  std::vector<SpanKey> keys(spans.size());
+  for (size_t s = 0; s < spans.size(); ++s) keys[s] = SpanKey{spans[s].start, s};
+  sort_by_start(keys);
+
+  // Before each span, the spans that may still reach it: at most one output (two outputs that
+  // both reach a point overlap each other, which was refused) and the inputs since the last
+  // output (after an output, only its own in-place inputs can still reach past its start).
+  const Span* live_output = nullptr;
+  std::vector<const Span*> live_inputs;
+  std::vector<const Span*> kept;
+  for (size_t rank = 0; rank < keys.size(); ++rank) {
+    Span& span = spans[keys[rank].span];
+    span.rank = static_cast<int64_t>(rank);
+    // The first span before this one, in sorted order, that it must not overlap.
+    const Span* other = nullptr;
+    if (live_output != nullptr && live_output->end > span.start &&
+        (span.written || !in_place_pair(*live_output, span))) {
+      other = live_output;
+    }
+    if (span.written) {
+      kept.clear();
+      for (const Span* input : live_inputs) {
+        if (input->end <= span.start) continue;  // ends before this span: reaches no later one
+        if (in_place_pair(span, *input)) {
+          kept.push_back(input);
+          continue;
+        }
+        if (other == nullptr || input->rank < other->rank) other = input;
+        break;
+      }
+      if (other == nullptr) {
+        live_output = &span;
+        live_inputs.swap(kept);
+      }
+    } else if (other == nullptr) {
+      live_inputs.push_back(&span);
+    }
+    if (other != nullptr) {
+      if (other->written) {
+        refuse_shared(*other, span);
+      } else {
+        refuse_shared(span, *other);
+      }
+    }
+  }
+}
+
+// ---- the checks of each op, in the order _checks.py makes them ---------------------------------
+
+// scale_(tensors, scale, found_inf): tensors written in place.
+inline void check_scale_(at::TensorList tensors, const at::Tensor& found_inf) {
+  check_found_inf(found_inf);
+  const NamedList named{"tensors", tensors};
+  check_tensors(found_inf.device(), "found_inf", {named});
+  check_no_overlap(named, {});
+}
+
+// scale_out(inputs, outputs, scale, found_inf).
+inline void check_scale_out(at::TensorList inputs, at::TensorList outputs,
+                            const at::Tensor& found_inf) {
+  check_found_inf(found_inf);
+  const NamedList named_inputs{"inputs", inputs};
+  const NamedList named_outputs{"outputs", outputs};
+  check_same_length(named_inputs, named_outputs);
+  check_tensors(found_inf.device(), "found_inf", {named_inputs, named_outputs});
+  check_same_shapes(named_inputs, named_outputs);
+  check_no_overlap(named_outputs, {named_inputs});
+}
+
+// axpby_(xs, ys, a, b, found_inf): ys written in place.
+inline void check_axpby_(at::TensorList xs, at::TensorList ys, const at::Tensor& found_inf) {
+  check_found_inf(found_inf);
+  const NamedList named_xs{"xs", xs};
+  const NamedList named_ys{"ys", ys};
+  check_same_length(named_xs, named_ys);
+  check_tensors(found_inf.device(), "found_inf", {named_xs, named_ys});
+  check_same_shapes(named_xs, named_ys);
+  check_no_overlap(named_ys, {named_xs});
+}
+
+// axpby_out(xs, ys, outputs, a, b, found_inf).
+inline void check_axpby_out(at::TensorList xs, at::TensorList ys, at::TensorList outputs,
+                            const at::Tensor& found_inf) {
+  check_found_inf(found_inf);
+  const NamedList named_xs{"xs", xs};
+  const NamedList named_ys{"ys", ys};
+  const NamedList named_outputs{"outputs", outputs};
+  check_same_length(named_xs, named_ys);
+  check_same_length(named_xs, named_outputs);
+  check_tensors(found_inf.device(), "found_inf", {named_xs, named_ys, named_outputs});
+  check_same_shapes(named_xs, named_ys);
+  check_same_shapes(named_xs, named_outputs);
+  check_no_overlap(named_outputs, {named_xs, named_ys});
+}
+
+// l2norm(tensors, ...) and nonfinite_flags(tensors): read only, on the device of tensors[0].
+inline void check_reduction(at::TensorList tensors) {
+  if (tensors.empty()) return;
+  TORCH_CHECK_TYPE(tensors[0].defined(), "tensors[0] is undefined (None), not a tensor");
+  check_tensors(tensors[0].device(), "tensors[0]", {NamedList{"tensors", tensors}});
+}
+
+}  // namespace checks
+}  // namespace apex_lite
