@@ -17,6 +17,7 @@
 #include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <initializer_list>
@@ -105,18 +106,23 @@ inline void check_same_shapes(const NamedList& a, const NamedList& b) {
 // starts keep the order outputs, then each input list, by index), so the pair named in the
 // message is the one _checks.check_no_overlap names.
 
+// One tensor's bytes [start, end) and, in `tensor`, what the rare exact comparison and the message
+// need. The sort and the sweep move and read only the ranges.
 struct Span {
   uintptr_t start;
   uintptr_t end;               // one past the last byte
+  size_t tensor;               // index into the call's TensorRef list
+  bool written;
+};
+
+struct TensorRef {
   const at::Tensor* tensor;
   const char* name;            // its list's name
   int64_t index;               // its index in that list
-  bool written;
-  int64_t rank = 0;            // its position in the sorted order
 };
 
-// The bytes of all of t's elements, strided or not (t not empty).
-inline Span span_of(const at::Tensor& t, const char* name, int64_t index, bool written) {
+// The span of all of t's elements, strided or not (t not empty).
+inline Span span_of(const at::Tensor& t, size_t tensor, bool written) {
   const uintptr_t start = reinterpret_cast<uintptr_t>(t.const_data_ptr());
   int64_t extent = t.numel();
   if (!t.is_contiguous()) {
@@ -124,7 +130,7 @@ inline Span span_of(const at::Tensor& t, const char* name, int64_t index, bool w
     for (int64_t d = 0; d < t.dim(); ++d) extent += (t.size(d) - 1) * t.stride(d);
   }
   const uintptr_t bytes = static_cast<uintptr_t>(extent) * t.element_size();
-  return Span{start, start + bytes, &t, name, index, written};
+  return Span{start, start + bytes, tensor, written};
 }
 
 // An output and an input that view the same elements in the same layout: each element is read
@@ -135,35 +141,43 @@ inline bool same_elements(const at::Tensor& a, const at::Tensor& b) {
 }
 
 // The output `written` computed in place from the input `read`: they are one pair.
-inline bool in_place_pair(const Span& written, const Span& read) {
+inline bool in_place_pair(const TensorRef& written, const TensorRef& read) {
   return written.index == read.index && same_elements(*written.tensor, *read.tensor);
 }
 
-struct SpanKey {
-  uintptr_t start;
-  size_t span;
-};
-
-// Sorts keys by start, stably: a least-significant-digit radix sort, one pass per byte in which
-// the starts differ (a few: a call's tensors lie within a few GiB). Linear in the number of
-// tensors, which matters at thousands of tensors per call.
-inline void sort_by_start(std::vector<SpanKey>& keys) {
-  if (keys.empty()) return;
+// Sorts spans by start, stably: a least-significant-digit radix sort over the bits in which the
+// starts differ, a byte per pass (three or four passes: a call's tensors lie within a few GiB, at
+// addresses aligned alike). Linear in the number of tensors, which matters at thousands of
+// tensors per call. Spans already in order (tensors allocated one after the other) cost one scan.
+inline void sort_by_start(std::vector<Span>& spans) {
+  const auto by_start = [](const Span& a, const Span& b) { return a.start < b.start; };
+  if (std::is_sorted(spans.begin(), spans.end(), by_start)) return;
   uintptr_t differing = 0;
-  for (const SpanKey& key : keys) differing |= key.start ^ keys[0].start;
-  std::vector<SpanKey> sorted(keys.size());
-  for (unsigned shift = 0; shift < 8 * sizeof(uintptr_t); shift += 8) {
-    if (((differing >> shift) & 0xff) == 0) continue;
+  for (const Span& span : spans) differing |= span.start ^ spans[0].start;
+  std::vector<Span> sorted(spans.size());
+  constexpr unsigned kBits = 8 * sizeof(uintptr_t);
+  for (unsigned shift = __builtin_ctzll(differing); shift < kBits && (differing >> shift) != 0;
+       shift += 8) {
     std::array<size_t, 257> next{};
-    for (const SpanKey& key : keys) ++next[((key.start >> shift) & 0xff) + 1];
+    for (const Span& span : spans) ++next[((span.start >> shift) & 0xff) + 1];
     for (size_t digit = 0; digit < 256; ++digit) next[digit + 1] += next[digit];
-    for (const SpanKey& key : keys) sorted[next[(key.start >> shift) & 0xff]++] = key;
-    keys.swap(sorted);
+    for (const Span& span : spans) sorted[next[(span.start >> shift) & 0xff]++] = span;
+    spans.swap(sorted);
   }
 }
 
-// Raises the error for `first` (an output) sharing memory with `second`.
-inline void refuse_shared(const Span& first, const Span& second) {
+// Whether no two of these sorted spans meet: each starts at or after the furthest end before it.
+inline bool disjoint(const std::vector<Span>& spans) {
+  uintptr_t furthest_end = 0;
+  for (const Span& span : spans) {
+    if (span.start < furthest_end) return false;
+    furthest_end = std::max(furthest_end, span.end);
+  }
+  return true;
+}
+
+// Raises the error for the output `first` sharing memory with `second`.
+inline void refuse_shared(const TensorRef& first, const TensorRef& second) {
   TORCH_CHECK_VALUE(false, first.name, "[", first.index, "] shares memory with ", second.name,
                     "[", second.index,
                     "]: the kernels would read elements that another output already overwrote "
@@ -176,7 +190,12 @@ inline void refuse_shared(const Span& first, const Span& second) {
 // Refuses what the block comment above says. `inputs[k].tensors[i]` that is `outputs[i]` itself
 // is left out (the output stands for it). The lists' lengths are checked before.
 inline void check_no_overlap(const NamedList& outputs, std::initializer_list<NamedList> inputs) {
+  size_t count = outputs.tensors.size();
+  for (const NamedList& list : inputs) count += list.tensors.size();
+  std::vector<TensorRef> refs;
   std::vector<Span> spans;
+  refs.reserve(count);
+  spans.reserve(count);
   for (size_t i = 0; i < outputs.tensors.size(); ++i) {
     const at::Tensor& t = outputs.tensors[i];
     if (t.numel() == 0) continue;
@@ -185,57 +204,60 @@ inline void check_no_overlap(const NamedList& outputs, std::initializer_list<Nam
                       "] has elements that share memory (an expand()ed or as_strided view): "
                       "writing it would race with itself. Write into a tensor of its own "
                       "(torch.empty_like) instead.");
-    spans.push_back(span_of(t, outputs.name, static_cast<int64_t>(i), true));
+    spans.push_back(span_of(t, refs.size(), true));
+    refs.push_back(TensorRef{&t, outputs.name, static_cast<int64_t>(i)});
   }
   for (const NamedList& list : inputs) {
     for (size_t i = 0; i < list.tensors.size(); ++i) {
       const at::Tensor& t = list.tensors[i];
       if (t.numel() == 0 || t.is_same(outputs.tensors[i])) continue;
-      spans.push_back(span_of(t, list.name, static_cast<int64_t>(i), false));
+      spans.push_back(span_of(t, refs.size(), false));
+      refs.push_back(TensorRef{&t, list.name, static_cast<int64_t>(i)});
     }
   }
-  std::vector<SpanKey> keys(spans.size());
-  for (size_t s = 0; s < spans.size(); ++s) keys[s] = SpanKey{spans[s].start, s};
-  sort_by_start(keys);
+  sort_by_start(spans);
+  if (disjoint(spans)) return;  // the common case
 
-  // Before each span, the spans that may still reach it: at most one output (two outputs that
-  // both reach a point overlap each other, which was refused) and the inputs since the last
-  // output (after an output, only its own in-place inputs can still reach past its start).
-  const Span* live_output = nullptr;
-  std::vector<const Span*> live_inputs;
-  std::vector<const Span*> kept;
-  for (size_t rank = 0; rank < keys.size(); ++rank) {
-    Span& span = spans[keys[rank].span];
-    span.rank = static_cast<int64_t>(rank);
+  // Some spans meet: decide pair by pair which may, in one sweep. Before each span, the spans (by
+  // their rank in the sorted order) that may still reach it: at most one output (two outputs
+  // that both reach a point overlap each other, which was refused), and the inputs since the
+  // last output (after an output, only its own in-place inputs can still reach past its start).
+  constexpr size_t kNone = static_cast<size_t>(-1);
+  size_t live_output = kNone;
+  std::vector<size_t> live_inputs;
+  std::vector<size_t> kept;
+  for (size_t rank = 0; rank < spans.size(); ++rank) {
+    const Span& span = spans[rank];
+    const TensorRef& ref = refs[span.tensor];
     // The first span before this one, in sorted order, that it must not overlap.
-    const Span* other = nullptr;
-    if (live_output != nullptr && live_output->end > span.start &&
-        (span.written || !in_place_pair(*live_output, span))) {
+    size_t other = kNone;
+    if (live_output != kNone && spans[live_output].end > span.start &&
+        (span.written || !in_place_pair(refs[spans[live_output].tensor], ref))) {
       other = live_output;
     }
     if (span.written) {
       kept.clear();
-      for (const Span* input : live_inputs) {
-        if (input->end <= span.start) continue;  // ends before this span: reaches no later one
-        if (in_place_pair(span, *input)) {
+      for (const size_t input : live_inputs) {
+        if (spans[input].end <= span.start) continue;  // ends before this span: reaches no later one
+        if (in_place_pair(ref, refs[spans[input].tensor])) {
           kept.push_back(input);
           continue;
         }
-        if (other == nullptr || input->rank < other->rank) other = input;
+        other = std::min(other, input);
         break;
       }
-      if (other == nullptr) {
-        live_output = &span;
+      if (other == kNone) {
+        live_output = rank;
         live_inputs.swap(kept);
       }
-    } else if (other == nullptr) {
-      live_inputs.push_back(&span);
+    } else if (other == kNone) {
+      live_inputs.push_back(rank);
     }
-    if (other != nullptr) {
-      if (other->written) {
-        refuse_shared(*other, span);
+    if (other != kNone) {
+      if (spans[other].written) {
+        refuse_shared(refs[spans[other].tensor], ref);
       } else {
-        refuse_shared(span, *other);
+        refuse_shared(ref, refs[spans[other].tensor]);
       }
     }
   }
