@@ -102,12 +102,12 @@ inline void check_same_shapes(const NamedList& a, const NamedList& b) {
 // (an expand()ed view). Inputs may share memory with each other: they are only read.
 //
 // Each tensor's elements lie in the byte range [start, end); the ranges are sorted by start and
-// swept once, comparing each range with those before it that reach it. Sorting is stable (equal
-// starts keep the order outputs, then each input list, by index), so the pair named in the
-// message is the one _checks.check_no_overlap names.
+// scanned once. Where two meet, one sweep compares each range with those before it that reach it.
+// Sorting is stable (equal starts keep the order outputs, then each input list, by index), so the
+// pair named in the message is the one _checks.check_no_overlap names.
 
-// One tensor's bytes [start, end) and, in `tensor`, what the rare exact comparison and the message
-// need. The sort and the sweep move and read only the ranges.
+// One tensor's bytes [start, end). The sort and the scans move and read these; what the rare
+// exact comparison and the messages need is in the TensorRef that `tensor` indexes.
 struct Span {
   uintptr_t start;
   uintptr_t end;               // one past the last byte
@@ -273,27 +273,25 @@ inline void check_scale_(at::TensorList tensors, const at::Tensor& found_inf) {
   check_no_overlap(named, {});
 }
 
+// A list read and a list written pairwise, shaped alike.
+inline void check_read_and_written(const at::Tensor& found_inf, const NamedList& read,
+                                   const NamedList& written) {
+  check_found_inf(found_inf);
+  check_same_length(read, written);
+  check_tensors(found_inf.device(), "found_inf", {read, written});
+  check_same_shapes(read, written);
+  check_no_overlap(written, {read});
+}
+
 // scale_out(inputs, outputs, scale, found_inf).
 inline void check_scale_out(at::TensorList inputs, at::TensorList outputs,
                             const at::Tensor& found_inf) {
-  check_found_inf(found_inf);
-  const NamedList named_inputs{"inputs", inputs};
-  const NamedList named_outputs{"outputs", outputs};
-  check_same_length(named_inputs, named_outputs);
-  check_tensors(found_inf.device(), "found_inf", {named_inputs, named_outputs});
-  check_same_shapes(named_inputs, named_outputs);
-  check_no_overlap(named_outputs, {named_inputs});
+  check_read_and_written(found_inf, NamedList{"inputs", inputs}, NamedList{"outputs", outputs});
 }
 
 // axpby_(xs, ys, a, b, found_inf): ys written in place.
 inline void check_axpby_(at::TensorList xs, at::TensorList ys, const at::Tensor& found_inf) {
-  check_found_inf(found_inf);
-  const NamedList named_xs{"xs", xs};
-  const NamedList named_ys{"ys", ys};
-  check_same_length(named_xs, named_ys);
-  check_tensors(found_inf.device(), "found_inf", {named_xs, named_ys});
-  check_same_shapes(named_xs, named_ys);
-  check_no_overlap(named_ys, {named_xs});
+  check_read_and_written(found_inf, NamedList{"xs", xs}, NamedList{"ys", ys});
 }
 
 // axpby_out(xs, ys, outputs, a, b, found_inf).
