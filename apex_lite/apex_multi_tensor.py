@@ -163,7 +163,7 @@ def _number(op: str, name: str, value, kind=float):
         raise TypeError(f"amp_C.{op}: {name} is a tensor; apex_lite provides apex's "
                         f"non-capturable form, where {name} is a Python number (the capturable "
                         f"variants, with lr and step on the device, are not provided: use "
-                        f"apex_lite.optimizers.FusedAdam, whose step reads nothing on the host)")
+                        f"apex_lite.optimizers.FusedAdam)")
     return kind(value)
 
 
@@ -176,6 +176,32 @@ def _step_counts(op: str, step, count: int, device: torch.device) -> List[torch.
                          f"taken, 1 for the first (its bias correction divides by 1 - beta**step)")
     return list(torch.full((count,), float(step - 1), dtype=torch.float32,
                            device=device).unbind(0))
+
+
+class _AdamFamilyCall:
+    """The checked arguments of apex's Adam and LAMB ops, as the kernels take them: the lists
+    ``[grads, params, exp_avgs, exp_avg_sqs]``, fp32 moments (``write_back`` rounds them into
+    apex's half ones), one step count per parameter, ``lr`` a number."""
+
+    def __init__(self, op: str, noop_flag, tensor_lists, lr, step, mode):
+        names = ["grads", "params", "exp_avgs", "exp_avg_sqs"]
+        lists = _lists(op, tensor_lists, [", ".join(names)])
+        _check_aligned(op, names, lists)
+        if mode not in (0, 1):
+            raise ValueError(f"amp_C.{op}: mode={mode!r}; apex's modes are 0 (L2 "
+                             f"regularisation, Adam) and 1 (decoupled weight decay, AdamW)")
+        self.grads, self.params, self.exp_avgs, self.exp_avg_sqs = lists
+        if not self.params:
+            return
+        self.device = self.params[0].device
+        _check_noop(op, noop_flag, self.device)
+        self.steps = _step_counts(op, step, len(self.params), self.device)
+        self.lr = _number(op, "lr", lr)
+        self.m, self.v = _fp32_state(self.exp_avgs), _fp32_state(self.exp_avg_sqs)
+
+    def write_back(self) -> None:
+        _write_back(self.exp_avgs, self.m)
+        _write_back(self.exp_avg_sqs, self.v)
 
 
 # ---- the ops --------------------------------------------------------------------------------
@@ -280,25 +306,14 @@ def multi_tensor_adam(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps
     not read, as in apex. The update is apex's in fp32, rounded once per tensor; apex's CUDA
     kernel may fuse multiply-adds, so results agree to fp32 rounding, not bit for bit."""
     op = "multi_tensor_adam"
-    lists = _lists(op, tensor_lists, ["grads, params, exp_avgs, exp_avg_sqs"])
-    _check_aligned(op, ["grads", "params", "exp_avgs", "exp_avg_sqs"], lists)
-    if mode not in (0, 1):
-        raise ValueError(f"amp_C.{op}: mode={mode!r}; apex's modes are 0 (L2 regularisation, "
-                         f"Adam) and 1 (decoupled weight decay, AdamW)")
-    grads, params, exp_avgs, exp_avg_sqs = lists
-    if not params:
-        return
-    device = params[0].device
-    _check_noop(op, noop_flag, device)
-    steps = _step_counts(op, step, len(params), device)
-    lr = _number(op, "lr", lr)
-    m, v = _fp32_state(exp_avgs), _fp32_state(exp_avg_sqs)
-    inv_scale, found_inf = unit_scalars(device)   # apex's kernel reads no flag and no scale
-    ops_for(device).fused_adam_(params, grads, m, v, [], steps, inv_scale, found_inf, lr,
-                                float(beta1), float(beta2), float(eps), float(weight_decay),
-                                mode == 1, bool(bias_correction))
-    _write_back(exp_avgs, m)
-    _write_back(exp_avg_sqs, v)
+    call = _AdamFamilyCall(op, noop_flag, tensor_lists, lr, step, mode)
+    if call.params:
+        inv_scale, found_inf = unit_scalars(call.device)   # apex's kernel reads neither
+        ops_for(call.device).fused_adam_(
+            call.params, call.grads, call.m, call.v, [], call.steps, inv_scale, found_inf,
+            call.lr, float(beta1), float(beta2), float(eps), float(weight_decay), mode == 1,
+            bool(bias_correction))
+        call.write_back()
 
 
 def multi_tensor_lamb(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps, step,
@@ -314,11 +329,6 @@ def multi_tensor_lamb(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps
     half rounding. ``max_grad_norm <= 0`` is refused: apex's kernel then divides every gradient
     by ``norm / 0``."""
     op = "multi_tensor_lamb"
-    lists = _lists(op, tensor_lists, ["grads, params, exp_avgs, exp_avg_sqs"])
-    _check_aligned(op, ["grads", "params", "exp_avgs", "exp_avg_sqs"], lists)
-    if mode not in (0, 1):
-        raise ValueError(f"amp_C.{op}: mode={mode!r}; apex's modes are 0 (L2 regularisation) "
-                         f"and 1 (decoupled weight decay)")
     max_grad_norm = _number(op, "max_grad_norm", max_grad_norm)
     if not max_grad_norm > 0.0:
         raise ValueError(f"amp_C.{op}: max_grad_norm={max_grad_norm}; apex's kernel divides "
@@ -327,31 +337,25 @@ def multi_tensor_lamb(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps
                          f"Pass a positive max_grad_norm (apex's FusedLAMB default is 1.0), or "
                          f"use apex_lite.optimizers.FusedLAMB(max_grad_norm=0) to turn clipping "
                          f"off.")
-    grads, params, exp_avgs, exp_avg_sqs = lists
-    if not params:
+    call = _AdamFamilyCall(op, noop_flag, tensor_lists, lr, step, mode)
+    if not call.params:
         return
-    device = params[0].device
-    _check_noop(op, noop_flag, device)
     if not isinstance(global_grad_norm, torch.Tensor) or global_grad_norm.numel() != 1 \
-            or global_grad_norm.device != device:
+            or global_grad_norm.device != call.device:
         raise TypeError(f"amp_C.{op}: global_grad_norm must be the 1-element norm tensor on "
-                        f"{device} that multi_tensor_l2norm returned")
-    steps = _step_counts(op, step, len(params), device)
-    lr = _number(op, "lr", lr)
-    m, v = _fp32_state(exp_avgs), _fp32_state(exp_avg_sqs)
-    inv_scale, found_inf = unit_scalars(device)
-    ops_for(device).fused_lamb_(params, grads, m, v, [], steps, inv_scale, found_inf,
-                                global_grad_norm.reshape(1).to(torch.float32), lr, float(beta1),
-                                float(beta2), float(eps), float(weight_decay), mode == 1,
-                                bool(bias_correction), bool(grad_averaging), max_grad_norm,
-                                bool(use_nvlamb))
-    _write_back(exp_avgs, m)
-    _write_back(exp_avg_sqs, v)
+                        f"{call.device} that multi_tensor_l2norm returned")
+    inv_scale, found_inf = unit_scalars(call.device)
+    ops_for(call.device).fused_lamb_(
+        call.params, call.grads, call.m, call.v, [], call.steps, inv_scale, found_inf,
+        global_grad_norm.reshape(1).to(torch.float32), call.lr, float(beta1), float(beta2),
+        float(eps), float(weight_decay), mode == 1, bool(bias_correction), bool(grad_averaging),
+        max_grad_norm, bool(use_nvlamb))
+    call.write_back()
 
 
 # What code that probes amp_C for other ops (try/except, hasattr) should learn.
 _NOT_PROVIDED_HINT = {
-    "multi_tensor_adam_capturable": "apex_lite.optimizers.FusedAdam (no host reads in its step)",
+    "multi_tensor_adam_capturable": "apex_lite.optimizers.FusedAdam",
     "multi_tensor_adam_capturable_master": "apex_lite.optimizers.FusedAdam under amp at O2",
     "multi_tensor_l2norm_mp": "multi_tensor_l2norm (it accumulates in fp32 whatever the dtype)",
     "multi_tensor_l2norm_scale": "multi_tensor_l2norm, then multi_tensor_scale",
