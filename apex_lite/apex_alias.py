@@ -15,9 +15,10 @@ What it does: puts a stand-in package ``apex`` in ``sys.modules`` and a finder o
 ``apex.multi_tensor_apply`` to ``apex_lite.apex_multi_tensor``) and, when no other ``amp_C`` is
 importable, the module ``amp_C`` (apex's compiled ops) to ``apex_lite.apex_multi_tensor``.
 Targets are imported when the alias is, not before. The modules are apex_lite's own objects, so
-``'state_dict' in amp.__dict__`` (timm's ApexScaler) holds. Other parts of apex (``apex.parallel``, ``apex.normalization``, ...)
-raise ModuleNotFoundError, an ImportError, naming what torch offers instead, so code that guards
-them with ``try/except ImportError`` takes its non-apex path.
+``'state_dict' in amp.__dict__`` (timm's ApexScaler) holds. Other parts of apex
+(``apex.parallel``, ``apex.normalization``, ...) raise ModuleNotFoundError, an ImportError,
+naming what torch offers instead, so code that guards them with ``try/except ImportError`` takes
+its non-apex path.
 
 When it refuses (``ApexAliasError``), nothing is changed: a package named ``apex`` is
 importable, or already imported, and is not apex_lite's. Such a package is NVIDIA's when its
@@ -54,6 +55,8 @@ INSTEAD = {
 NVIDIA_MARKERS = ("amp/_amp_state.py", "optimizers/fused_adam.py",
                   "normalization/fused_layer_norm.py")
 FORWARDER_MARKER = "_apex_lite_forwarder.py"
+# Set when install_apex_alias found another amp_C and left it alone (never imported).
+_foreign_amp_c: Optional[str] = None
 _ALIAS_ATTRIBUTE = "__apex_lite_alias__"
 
 
@@ -197,7 +200,12 @@ def install_apex_alias() -> str:
         raise ApexAliasError(_refusal(existing))
     # An amp_C that is not apex_lite's (NVIDIA's compiled ops, left without their package) is
     # left alone: only looked up, never imported.
-    serve_amp_c = AMP_C not in sys.modules and importlib.util.find_spec(AMP_C) is None
+    global _foreign_amp_c
+    module = sys.modules.get(AMP_C)
+    spec = getattr(module, "__spec__", None) if module is not None else \
+        importlib.util.find_spec(AMP_C)
+    serve_amp_c = module is None and spec is None
+    _foreign_amp_c = None if serve_amp_c else (getattr(spec, "origin", None) or "an amp_C")
     _install_finder(serve_amp_c)
     sys.modules["apex"] = _stand_in()
     done = ", ".join(f"apex.{name} -> {target}" for name, target in TARGETS.items())
@@ -213,6 +221,9 @@ def describe_targets() -> List[str]:
     names[AMP_C] = AMP_C_TARGET
     width = max(map(len, names))
     for name, target in names.items():
+        if name == AMP_C and _foreign_amp_c is not None:
+            lines.append(f"  {name:<{width}} -> left alone ({_foreign_amp_c} is not apex_lite's)")
+            continue
         try:
             module = importlib.import_module(name)
         except ImportError as exc:

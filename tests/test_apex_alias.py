@@ -217,18 +217,23 @@ print(json.dumps({"first": first, "same": amp_C is ours and multi_tensor_l2norm 
     assert facts["first"].endswith("apex.multi_tensor_apply -> apex_lite.apex_multi_tensor, "
                                    "amp_C -> apex_lite.apex_multi_tensor")
     assert facts["same"] and facts["available"]
-    assert facts["norm"] == [pytest.approx(7 ** 0.5)] and facts["per"] == pytest.approx([3 ** 0.5, 2])
+    assert facts["norm"] == [pytest.approx(7 ** 0.5)]
+    assert facts["per"] == pytest.approx([3 ** 0.5, 2])
     assert facts["amp_state"] == "<amp._amp_state (apex_lite): before amp.initialize>"
 
 
 def test_the_alias_leaves_another_amp_c_alone(tmp_path):
     (tmp_path / "amp_C.py").write_text(f"open({str(tmp_path / 'IMPORTED')!r}, 'w').close()\n")
-    result = _python("import apex_lite\nprint(apex_lite.install_apex_alias())\n"
-                     "import apex.multi_tensor_apply", path_first=tmp_path)
     if importlib.util.find_spec("apex") is not None:
         pytest.skip("a package named apex is installed here")
+    result = _python("import apex_lite\nprint(apex_lite.install_apex_alias())\n"
+                     "import apex.multi_tensor_apply", path_first=tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().endswith("amp_C left alone (another amp_C is importable)")
+    command = _python(["-m", "apex_lite.apex_alias"], path_first=tmp_path)
+    assert command.returncode == 0, command.stderr
+    assert f"amp_C                   -> left alone ({tmp_path / 'amp_C.py'} is not " \
+           f"apex_lite's)" in command.stdout
     assert not (tmp_path / "IMPORTED").exists()
 
 

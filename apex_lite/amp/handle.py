@@ -300,8 +300,9 @@ class _Run:
                              f"this run has {len(self.master_pairs)}")
         for m, (pairs, saved) in enumerate(zip(self.master_pairs, masters)):
             if not isinstance(saved, list) or len(saved) != len(pairs):
-                raise ValueError(f"the amp state holds {len(saved) if isinstance(saved, list) else '?'}"
-                                 f" master weights for model {m}, which has {len(pairs)}")
+                held = len(saved) if isinstance(saved, list) else "?"
+                raise ValueError(f"the amp state holds {held} master weights for model {m}, "
+                                 f"which has {len(pairs)}")
             for (name, _, master), value in zip(pairs, saved):
                 if not isinstance(value, torch.Tensor) or value.shape != master.shape \
                         or value.dtype != torch.float32 or value.is_meta \
