@@ -9,6 +9,10 @@ import os
 
 import torch
 import torch.distributed as dist
+# Before init_process_group: importing torch.distributed.nn binds the default group into its
+# functions' default arguments, and DDP imports it, so an import after init would keep the group
+# (and gloo's worker threads) alive until the interpreter exits; see the teardown in main().
+import torch.distributed.nn  # noqa: F401
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from apex_lite import amp
@@ -49,7 +53,33 @@ def main():
                 "masters": [p.detach().clone() for p in amp.master_params(optimizer)]},
                os.path.join(args.out, f"rank{rank}.pt"))
     dist.barrier()   # no rank tears the gloo group down while a peer still uses it
+    # Free DDP first, so that destroy_process_group frees the group and joins gloo's worker
+    # threads here. A gloo thread left running at exit can drop the last reference to a tensor
+    # Python already released (the all-reduced overflow flag) while the interpreter finalizes;
+    # taking the GIL then ends the thread with pthread_exit, whose unwind through a noexcept
+    # destructor aborts the process ("terminate called without an active exception"). In the
+    # other order DDP's destructor joins them holding the GIL they may need, and can hang.
+    del model
     dist.destroy_process_group()
+    leftover = gloo_threads()
+    if leftover:
+        raise SystemExit(f"gloo threads {leftover} outlived destroy_process_group: something "
+                         "still holds the process group, and this process can abort at exit")
+
+
+def gloo_threads():
+    """Names of this process's native threads that belong to gloo (Linux; [] elsewhere)."""
+    tasks = "/proc/self/task"
+    if not os.path.isdir(tasks):
+        return []
+    names = []
+    for tid in os.listdir(tasks):
+        try:
+            with open(os.path.join(tasks, tid, "comm")) as f:
+                names.append(f.read().strip())
+        except FileNotFoundError:   # the thread ended while we looked
+            pass
+    return [name for name in names if "gloo" in name]
 
 
 if __name__ == "__main__":
