@@ -13,9 +13,8 @@ import os
 
 import torch
 import torch.distributed as dist
-# Imported before init_process_group on purpose: torch.distributed.nn (which DDP imports) binds the
-# default group into default arguments when first imported, and would keep the group, and gloo's
-# worker threads, alive until the interpreter exits. See the end of main().
+# Before init_process_group: on import it binds the default group into default arguments (DDP
+# imports it), which would keep the group and gloo's threads alive to exit; see the end of main().
 import torch.distributed.nn  # noqa: F401
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -74,11 +73,8 @@ def main():
             print(f"step {step:4d}  loss {loss.item():.5f}  loss scale {scaler.loss_scale}  "
                   f"skipped {scaler.skipped_steps}/{scaler.steps}  ({world} ranks)")
     dist.barrier()   # no rank tears the group down while a peer still uses it
-    # Free DDP first, so that destroy_process_group frees the group and joins gloo's worker threads
-    # now. Left running, a gloo thread can release a tensor Python already dropped while the
-    # interpreter shuts down; taking the GIL then kills the thread mid-destructor and aborts the
-    # process ("terminate called without an active exception"). Freed the other way round, DDP's
-    # destructor joins those threads while holding the GIL they may need, and can hang.
+    # DDP first, then the group: that joins gloo's threads now, with the GIL released. One still
+    # running at exit can abort the process ("terminate called without an active exception").
     del model
     dist.destroy_process_group()
 

@@ -9,9 +9,8 @@ import os
 
 import torch
 import torch.distributed as dist
-# Before init_process_group: importing torch.distributed.nn binds the default group into its
-# functions' default arguments, and DDP imports it, so an import after init would keep the group
-# (and gloo's worker threads) alive until the interpreter exits; see the teardown in main().
+# Before init_process_group: on import it binds the default group into default arguments (DDP
+# imports it), which would keep the group and gloo's threads alive to exit; see the end of main().
 import torch.distributed.nn  # noqa: F401
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -53,12 +52,10 @@ def main():
                 "masters": [p.detach().clone() for p in amp.master_params(optimizer)]},
                os.path.join(args.out, f"rank{rank}.pt"))
     dist.barrier()   # no rank tears the gloo group down while a peer still uses it
-    # Free DDP first, so that destroy_process_group frees the group and joins gloo's worker
-    # threads here. A gloo thread left running at exit can drop the last reference to a tensor
-    # Python already released (the all-reduced overflow flag) while the interpreter finalizes;
-    # taking the GIL then ends the thread with pthread_exit, whose unwind through a noexcept
-    # destructor aborts the process ("terminate called without an active exception"). In the
-    # other order DDP's destructor joins them holding the GIL they may need, and can hang.
+    # DDP first, then the group: that joins gloo's threads here, with the GIL released (the other
+    # order joins them in ~Reducer holding it, and can hang). A gloo thread still running at exit
+    # can free a tensor during finalization and abort ("terminate called without an active
+    # exception"); the check below fails loudly instead if that would be possible.
     del model
     dist.destroy_process_group()
     leftover = gloo_threads()
