@@ -238,7 +238,8 @@ inline void check_no_overlap(const NamedList& outputs, std::initializer_list<Nam
     if (span.written) {
       kept.clear();
       for (const size_t input : live_inputs) {
-        if (spans[input].end <= span.start) continue;  // ends before this span: reaches no later one
+        // An input that ends before this span reaches no later one either.
+        if (spans[input].end <= span.start) continue;
         if (in_place_pair(ref, refs[spans[input].tensor])) {
           kept.push_back(input);
           continue;

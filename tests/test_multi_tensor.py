@@ -485,6 +485,64 @@ BAD_CALLS = {
                        ValueError, r"tensors\[1\] is on meta but tensors\[0\] is on"),
     "nonfinite_flags devices": (lambda d: mt.nonfinite_flags([torch.ones(2, device=d), _meta(2)]),
                                 ValueError, r"tensors\[1\] is on meta but tensors\[0\] is on"),
+    "axpby lengths": (lambda d: mt.axpby([torch.ones(3, device=d)], [torch.ones(3, device=d)] * 2,
+                                         [torch.ones(3, device=d)], 1.0, 1.0,
+                                         torch.zeros(1, device=d)),
+                      ValueError, r"^xs has 1 tensors but ys has 2; they are used pairwise$"),
+    "axpby output lengths": (lambda d: mt.axpby([torch.ones(3, device=d)],
+                                                [torch.ones(3, device=d)], [], 1.0, 1.0,
+                                                torch.zeros(1, device=d)),
+                             ValueError, r"^xs has 1 tensors but outputs has 0"),
+    "empty inputs, one output": (lambda d: mt.scale([], [torch.ones(3, device=d)], 2.0,
+                                                    torch.zeros(1, device=d)),
+                                 ValueError, r"^inputs has 0 tensors but outputs has 1"),
+    "found_inf dtype": (lambda d: mt.axpby([torch.ones(3, device=d)], [torch.ones(3, device=d)],
+                                           [torch.ones(3, device=d)], 1.0, 1.0,
+                                           torch.zeros(1, dtype=torch.float64, device=d)),
+                        TypeError, r"^found_inf must be a 1-element float32 tensor"),
+    "found_inf with empty lists": (lambda d: mt.scale([], [], 2.0, torch.zeros(2, device=d)),
+                                   TypeError, r"^found_inf must be a 1-element float32 tensor"),
+    "found_inf device": (lambda d: mt.scale([torch.ones(2, device=d)], [torch.ones(2, device=d)],
+                                            2.0, _meta(1)),
+                         ValueError, r"^inputs\[0\] is on .* but found_inf is on meta"),
+    # Empty tensors are checked like any other (they only have no memory to overlap).
+    "empty tensor dtype": (lambda d: mt.scale([torch.empty(0, dtype=torch.float64, device=d)],
+                                              [torch.empty(0, device=d)], 2.0,
+                                              torch.zeros(1, device=d)),
+                           TypeError, r"^inputs\[0\] has dtype torch.float64"),
+    "empty tensor shape": (lambda d: mt.scale([torch.empty(0, device=d)],
+                                              [torch.empty(0, 3, device=d)], 2.0,
+                                              torch.zeros(1, device=d)),
+                           ValueError, r"^inputs\[0\] has shape \(0,\) but outputs\[0\] has "
+                                       r"\(0, 3\)$"),
+    "empty tensor device": (lambda d: mt.axpby([torch.empty(0, device=d)] * 2,
+                                               [torch.empty(0, device=d), _meta(0)],
+                                               [torch.empty(0, device=d)] * 2, 1.0, 1.0,
+                                               torch.zeros(1, device=d)),
+                            ValueError, r"^ys\[1\] is on meta but found_inf is on"),
+    "l2norm empty tensor dtype": (lambda d: mt.l2norm([torch.ones(2, device=d),
+                                                       torch.empty(0, dtype=torch.int64,
+                                                                   device=d)]),
+                                  TypeError, r"^tensors\[1\] has dtype torch.int64"),
+    # Non-contiguous views (on CUDA the native path checks them before it stages them).
+    "non-contiguous dtype": (lambda d: mt.scale([torch.ones(3, 2, dtype=torch.float64,
+                                                            device=d).t()],
+                                                [torch.ones(2, 3, device=d)], 2.0,
+                                                torch.zeros(1, device=d)),
+                             TypeError, r"^inputs\[0\] has dtype torch.float64"),
+    "non-contiguous shape": (lambda d: mt.axpby([torch.ones(3, 2, device=d).t()],
+                                                [torch.ones(3, 2, device=d)],
+                                                [torch.ones(2, 3, device=d)], 1.0, 1.0,
+                                                torch.zeros(1, device=d)),
+                             ValueError, r"^xs\[0\] has shape \(2, 3\) but ys\[0\] has "
+                                         r"\(3, 2\)$"),
+    "non-contiguous in-place dtype": (lambda d: (lambda t: mt.scale([t], [t], 2.0,
+                                                                     torch.zeros(1, device=d)))(
+        torch.ones(4, 4, dtype=torch.int32, device=d)[:, ::2]),
+        TypeError, r"^inputs\[0\] has dtype torch.int32"),
+    "non-contiguous device": (lambda d: mt.nonfinite_flags([torch.ones(2, 2, device=d).t(),
+                                                            _meta(2, 2).t()]),
+                              ValueError, r"^tensors\[1\] is on meta but tensors\[0\] is on"),
 }
 
 
@@ -499,9 +557,9 @@ def test_bad_arguments_are_named(backend, device, case):
     assert raised.match(message)
 
 
-def test_bad_arguments_give_the_same_error_on_both_backends(device):
-    """The two backends side by side: the same type and text for every bad call."""
-    errors = {}
+def _each_backend(device):
+    """Yields "python", then "native", with apex_lite.multi_tensor using that backend on
+    ``device``; skips (or, with APEX_LITE_REQUIRE_EXT=1, fails) where native is unavailable."""
     for name in ("python", "native"):
         if name == "native" and (RUN_DISABLES_EXT or _native.ops_for(device.type)[0] is None):
             if RUN_REQUIRES_EXT and not RUN_DISABLES_EXT:
@@ -509,13 +567,26 @@ def test_bad_arguments_give_the_same_error_on_both_backends(device):
             pytest.skip("native kernels unavailable or disabled for this run")
         with _Env(APEX_LITE_DISABLE_EXT="1" if name == "python" else None):
             assert mt.backend(device)[0] == name
-            for case, (call, _, _) in BAD_CALLS.items():
-                try:
-                    call(device)
-                except Exception as exc:  # noqa: BLE001 (comparing what each backend raises)
-                    errors.setdefault(case, []).append((type(exc), str(exc)))
+            yield name
+
+
+def _raised(call, *args):
+    """``(type, message)`` of what ``call(*args)`` raises, or None."""
+    try:
+        call(*args)
+    except Exception as exc:  # noqa: BLE001 (comparing what each backend raises)
+        return type(exc), str(exc)
+    return None
+
+
+def test_bad_arguments_give_the_same_error_on_both_backends(device):
+    """The two backends side by side: the same type and text for every bad call."""
+    errors = {case: [] for case in BAD_CALLS}
+    for _ in _each_backend(device):
+        for case, (call, _, _) in BAD_CALLS.items():
+            errors[case].append(_raised(call, device))
     for case, raised in errors.items():
-        assert len(raised) == 2 and raised[0] == raised[1], case
+        assert raised[0] is not None and raised[0] == raised[1], case
 
 
 # --- aliasing: outputs that overlap other tensors of the call (issue row 8) ---------------------
@@ -525,46 +596,74 @@ def _rows(device):
     return list(torch.arange(1.0, 7.0, device=device).reshape(3, 2).unbind(0))
 
 
+def _scale(d, inputs, outputs):
+    return mt.scale, (inputs, outputs, 2.0, torch.zeros(1, device=d))
+
+
+def _axpby(d, xs, ys, outputs):
+    return mt.axpby, (xs, ys, outputs, 1.0, 1.0, torch.zeros(1, device=d))
+
+
+# A call that is refused, as (function, arguments): built once, so that both backends can be
+# given the same tensors (which pair a refusal names depends on their addresses).
 ALIASED_CALLS = {
     # outputs[i] is inputs[i + 1]: each output overwrites the next pair's input before it is read.
-    "scale shifted": lambda d: (lambda r: mt.scale(r, r[1:] + [torch.empty(2, device=d)], 2.0,
-                                                   torch.zeros(1, device=d)))(_rows(d)),
+    "scale shifted": lambda d: (lambda r: _scale(d, r, r[1:] + [torch.empty(2, device=d)]))(
+        _rows(d)),
     # an in-place list that holds one tensor twice: it would be scaled twice.
-    "scale twice in place": lambda d: (lambda t: mt.scale([t, t], [t, t], 2.0,
-                                                          torch.zeros(1, device=d)))(
+    "scale twice in place": lambda d: (lambda t: _scale(d, [t, t], [t, t]))(
         torch.ones(3, device=d)),
     # overlapping views of one buffer.
-    "scale overlapping views": lambda d: (lambda b: mt.scale([b[0:4]], [b[2:6]], 2.0,
-                                                             torch.zeros(1, device=d)))(
+    "scale overlapping views": lambda d: (lambda b: _scale(d, [b[0:4]], [b[2:6]]))(
         torch.arange(6.0, device=d)),
     # two outputs over the same memory.
-    "scale outputs overlap": lambda d: (lambda b: mt.scale(
-        [torch.ones(3, device=d), torch.ones(3, device=d)], [b[0:3], b[1:4]], 2.0,
-        torch.zeros(1, device=d)))(torch.zeros(4, device=d)),
+    "scale outputs overlap": lambda d: (lambda b: _scale(
+        d, [torch.ones(3, device=d), torch.ones(3, device=d)], [b[0:3], b[1:4]]))(
+        torch.zeros(4, device=d)),
     # an expand()ed output writes one element from several places.
-    "scale expanded output": lambda d: mt.scale([torch.ones(2, 3, device=d)],
-                                                [torch.zeros(3, device=d).expand(2, 3)], 2.0,
-                                                torch.zeros(1, device=d)),
+    "scale expanded output": lambda d: _scale(d, [torch.ones(2, 3, device=d)],
+                                              [torch.zeros(3, device=d).expand(2, 3)]),
+    "scale expanded in place": lambda d: (lambda e: _scale(d, [e], [e]))(
+        torch.zeros(3, device=d).expand(2, 3)),
     # a strided output over an input (on CUDA the op sees a staged copy: checked before staging).
-    "scale strided output over an input": lambda d: (lambda b: mt.scale(
-        [b[0:4]], [b[::2]], 2.0, torch.zeros(1, device=d)))(torch.arange(8.0, device=d)),
-    "axpby strided output over another pair's x": lambda d: (lambda b: mt.axpby(
-        [b[4:6], b[0:2]], [torch.ones(2, device=d)] * 2, [b[0:4:2], torch.empty(2, device=d)],
-        1.0, 1.0, torch.zeros(1, device=d)))(torch.arange(8.0, device=d)),
-    "axpby output is another pair's y": lambda d: (lambda xs, ys: mt.axpby(
-        xs, ys, [ys[1], ys[0]], 1.0, 1.0, torch.zeros(1, device=d)))(
-        [torch.ones(2, device=d), torch.ones(2, device=d)],
-        [torch.ones(2, device=d), torch.ones(2, device=d)]),
-    "axpby output is another pair's x": lambda d: (lambda r: mt.axpby(
-        r[:2], [torch.ones(2, device=d)] * 2, [r[1], torch.empty(2, device=d)], 1.0, 1.0,
-        torch.zeros(1, device=d)))(_rows(d)),
+    "scale strided output over an input": lambda d: (lambda b: _scale(d, [b[0:4]], [b[::2]]))(
+        torch.arange(8.0, device=d)),
+    # an empty output has no memory, but the other outputs still must not overlap.
+    "scale with an empty output": lambda d: (lambda b: _scale(
+        d, [torch.ones(3, device=d), torch.ones(0, device=d), torch.ones(3, device=d)],
+        [b[0:3], b[1:1], b[2:5]]))(torch.zeros(5, device=d)),
+    "axpby strided output over another pair's x": lambda d: (lambda b: _axpby(
+        d, [b[4:6], b[0:2]], [torch.ones(2, device=d)] * 2,
+        [b[0:4:2], torch.empty(2, device=d)]))(torch.arange(8.0, device=d)),
+    "axpby output is another pair's y": lambda d: (lambda xs, ys: _axpby(
+        d, xs, ys, [ys[1], ys[0]]))([torch.ones(2, device=d), torch.ones(2, device=d)],
+                                    [torch.ones(2, device=d), torch.ones(2, device=d)]),
+    "axpby output is another pair's x": lambda d: (lambda r: _axpby(
+        d, r[:2], [torch.ones(2, device=d)] * 2, [r[1], torch.empty(2, device=d)]))(_rows(d)),
+    # into xs (the native kernels get axpby_(ys, xs)), xs[0] over ys[1].
+    "axpby into xs over another pair's y": lambda d: (lambda b: (lambda xs: _axpby(
+        d, xs, [torch.ones(2, device=d), b[1:3]], xs))([b[0:2], b[4:6]]))(
+        torch.arange(8.0, device=d)),
 }
 
 
 @pytest.mark.parametrize("case", sorted(ALIASED_CALLS))
 def test_partially_aliased_outputs_are_refused(backend, device, case):
+    call, args = ALIASED_CALLS[case](device)
     with pytest.raises(ValueError, match=r"shares memory with|has elements that share memory"):
-        ALIASED_CALLS[case](device)
+        call(*args)
+
+
+def test_aliased_calls_give_the_same_error_on_both_backends(device):
+    """The two backends side by side on the same tensors: the same type and text, naming the
+    same pair."""
+    calls = {case: make(device) for case, make in ALIASED_CALLS.items()}
+    errors = {case: [] for case in calls}
+    for _ in _each_backend(device):
+        for case, (call, args) in calls.items():
+            errors[case].append(_raised(call, *args))
+    for case, raised in errors.items():
+        assert raised[0] is not None and raised[0] == raised[1], case
 
 
 def test_in_place_calls_are_refused_under_the_callers_names(backend, device):
@@ -609,6 +708,10 @@ def test_outputs_that_are_their_own_inputs_are_allowed(backend, device):
     xs = [ys[0], torch.ones(2, device=device)]              # xs[0] is ys[0], and the output
     mt.axpby(xs, ys, [ys[0], outs[1]], 1.0, 1.0, found_inf)
     assert ys[0].cpu().tolist() == [2.0, 2.0] and outs[1].cpu().tolist() == [3.0, 3.0]
+    b = torch.ones(4, device=device)                         # an empty output inside another:
+    mt.scale([b, torch.ones(0, device=device)], [b, b[2:2]], 2.0, found_inf)   # no memory
+    mt.axpby([b[1:1], b], [b[3:3], b], [b[2:2], b], 1.0, 1.0, found_inf)
+    assert b.cpu().tolist() == [4.0] * 4
     assert found_inf.item() == 0.0
 
 
@@ -674,24 +777,15 @@ def test_meta_tensors_are_served_silently(backend, caplog):
 def test_backends_agree_bit_for_bit(device):
     """The two backends on the same inputs, compared with each other directly."""
     results = {}
-    for name in ("python", "native"):
-        if name == "native" and RUN_DISABLES_EXT:
-            pytest.skip("APEX_LITE_DISABLE_EXT=1 is set for this run")
-        if name == "native" and _native.ops_for(device.type)[0] is None:
-            why = _native.ops_for(device.type)[1]
-            if RUN_REQUIRES_EXT:
-                pytest.fail(f"APEX_LITE_REQUIRE_EXT=1 but native is unavailable: {why}")
-            pytest.skip(f"native kernels unavailable: {why}")
-        with _Env(APEX_LITE_DISABLE_EXT="1" if name == "python" else None):
-            assert mt.backend(device)[0] == name
-            xs = [rand(n, d, device, seed=n) for n, d in zip(SHAPES, DTYPES * 2)]
-            ys = [rand(n, d, device, seed=n + 9) for n, d in zip(SHAPES, DTYPES[::-1] * 2)]
-            outs = [torch.empty(n, dtype=d, device=device) for n, d in zip(SHAPES, DTYPES[1:] * 3)]
-            found_inf = torch.zeros(1, device=device)
-            mt.scale(xs, outs, 1.0 / 3.0, found_inf)
-            scaled = [o.clone() for o in outs]
-            mt.axpby(xs, ys, outs, 0.1, 0.7, found_inf)
-            results[name] = scaled + outs
+    for name in _each_backend(device):
+        xs = [rand(n, d, device, seed=n) for n, d in zip(SHAPES, DTYPES * 2)]
+        ys = [rand(n, d, device, seed=n + 9) for n, d in zip(SHAPES, DTYPES[::-1] * 2)]
+        outs = [torch.empty(n, dtype=d, device=device) for n, d in zip(SHAPES, DTYPES[1:] * 3)]
+        found_inf = torch.zeros(1, device=device)
+        mt.scale(xs, outs, 1.0 / 3.0, found_inf)
+        scaled = [o.clone() for o in outs]
+        mt.axpby(xs, ys, outs, 0.1, 0.7, found_inf)
+        results[name] = scaled + outs
     for p, n in zip(results["python"], results["native"]):
         assert_bits(n, p.cpu())
 

@@ -174,13 +174,11 @@ def test_params_that_require_grad_are_written_under_no_grad(ops):
 def _python_check(name):
     """The Python checks of op ``name`` (``_checks``), under the op's argument names."""
     return {
-        "scale_": lambda tensors, scale, found_inf: _checks.check_scale(
-            tensors, tensors, found_inf, True, ("tensors", "tensors")),
-        "scale_out": lambda inputs, outputs, scale, found_inf: _checks.check_scale(
-            inputs, outputs, found_inf, False),
-        "axpby_": lambda xs, ys, a, b, found_inf: _checks.check_axpby(
-            xs, ys, ys, found_inf, ("xs", "ys", "ys")),
-        "axpby_out": lambda xs, ys, outputs, a, b, found_inf: _checks.check_axpby(
+        "scale_": lambda tensors, scale, found_inf: _checks.check_scale_(tensors, found_inf),
+        "scale_out": lambda inputs, outputs, scale, found_inf: _checks.check_scale_out(
+            inputs, outputs, found_inf),
+        "axpby_": lambda xs, ys, a, b, found_inf: _checks.check_axpby_(xs, ys, found_inf),
+        "axpby_out": lambda xs, ys, outputs, a, b, found_inf: _checks.check_axpby_out(
             xs, ys, outputs, found_inf),
         "l2norm": lambda tensors, per_tensor: _checks.check_reduction(tensors),
         "nonfinite_flags": lambda tensors: _checks.check_reduction(tensors),
@@ -219,8 +217,8 @@ def _meta(n):
 BAD_OP_CALLS = {
     "dtype": ("scale_out", lambda: ([torch.ones(3, dtype=torch.float64)], [torch.ones(3)], 2.0,
                                     torch.zeros(1)),
-              TypeError, r"^inputs\[0\] has dtype torch.float64; multi-tensor kernels take float32, "
-                         r"float16 and bfloat16 tensors only$", "op"),
+              TypeError, r"^inputs\[0\] has dtype torch.float64; multi-tensor kernels take "
+                         r"float32, float16 and bfloat16 tensors only$", "op"),
     "int dtype": ("scale_", lambda: ([torch.ones(3), torch.ones(3, dtype=torch.int32)], 2.0,
                                      torch.zeros(1)),
                   TypeError, r"^tensors\[1\] has dtype torch.int32", "op"),
@@ -241,10 +239,41 @@ BAD_OP_CALLS = {
                                       torch.zeros(1)),
                 ValueError, r"^xs has 1 tensors but outputs has 0; they are used pairwise$", "op"),
     "found_inf size": ("scale_", lambda: ([torch.ones(3)], 2.0, torch.zeros(2)),
-                       TypeError, r"^found_inf must be a 1-element float32 tensor \(create it", "op"),
+                       TypeError, r"^found_inf must be a 1-element float32 tensor \(create it",
+                       "op"),
     "found_inf dtype": ("axpby_", lambda: ([torch.ones(3)], [torch.ones(3)], 1.0, 1.0,
                                            torch.zeros(1, dtype=torch.float64)),
                         TypeError, r"^found_inf must be a 1-element float32 tensor", "op"),
+    "axpby_ lengths": ("axpby_", lambda: ([torch.ones(3)], [torch.ones(3)] * 2, 1.0, 1.0,
+                                          torch.zeros(1)),
+                       ValueError, r"^xs has 1 tensors but ys has 2; they are used pairwise$",
+                       "op"),
+    "empty list, one output": ("scale_out", lambda: ([], [torch.ones(3)], 2.0, torch.zeros(1)),
+                               ValueError, r"^inputs has 0 tensors but outputs has 1", "op"),
+    "found_inf size, empty list": ("scale_", lambda: ([], 2.0, torch.zeros(0)),
+                                   TypeError, r"^found_inf must be a 1-element float32", "op"),
+    # Empty tensors are checked like any other; non-contiguous ones before they are staged.
+    "empty tensor dtype": ("scale_", lambda: ([torch.empty(0, dtype=torch.float64)], 2.0,
+                                              torch.zeros(1)),
+                           TypeError, r"^tensors\[0\] has dtype torch.float64", "op"),
+    "empty tensor shape": ("axpby_out", lambda: ([torch.empty(0)], [torch.empty(0)],
+                                                 [torch.empty(0, 3)], 1.0, 1.0, torch.zeros(1)),
+                           ValueError, r"^xs\[0\] has shape \(0,\) but outputs\[0\] has "
+                                       r"\(0, 3\)$", "op"),
+    "l2norm empty tensor dtype": ("l2norm", lambda: ([torch.ones(2),
+                                                      torch.empty(0, dtype=torch.int64)], True),
+                                  TypeError, r"^tensors\[1\] has dtype torch.int64", "op"),
+    "non-contiguous dtype": ("axpby_out", lambda: ([torch.ones(2, 3)], [torch.ones(2, 3)],
+                                                   [torch.ones(3, 2, dtype=torch.float64).t()],
+                                                   1.0, 1.0, torch.zeros(1)),
+                             TypeError, r"^outputs\[0\] has dtype torch.float64", "op"),
+    "non-contiguous shape": ("axpby_", lambda: ([torch.ones(3, 2).t()], [torch.ones(3, 2)], 1.0,
+                                                1.0, torch.zeros(1)),
+                             ValueError, r"^xs\[0\] has shape \(2, 3\) but ys\[0\] has "
+                                         r"\(3, 2\)$", "op"),
+    "nonfinite_flags non-contiguous dtype": (
+        "nonfinite_flags", lambda: ([torch.ones(4, 4, dtype=torch.int32)[:, ::2]],),
+        TypeError, r"^tensors\[0\] has dtype torch.int32", "op"),
     # Issue 15 row 9: a list that mixes devices. Through the dispatcher the fake kernels refuse
     # it; the CPU kernel refuses it in C++.
     "devices": ("scale_out", lambda: ([torch.ones(2), _meta(2)], [torch.ones(2), _meta(2)], 2.0,
@@ -258,11 +287,22 @@ BAD_OP_CALLS = {
                                                         [_meta(2)], 1.0, 1.0, torch.zeros(1)),
                                   ValueError, r"^outputs\[0\] is on meta but found_inf is on cpu",
                                   "cpu"),
+    "found_inf device, CPU kernel": ("scale_", lambda: ([torch.ones(2)], 2.0, _meta(1)),
+                                     ValueError, r"^tensors\[0\] is on cpu but found_inf is on "
+                                                 r"meta", "cpu"),
+    "empty tensor device, CPU kernel": ("axpby_", lambda: ([torch.empty(0)] * 2,
+                                                           [torch.empty(0), _meta(0)], 1.0, 1.0,
+                                                           torch.zeros(1)),
+                                        ValueError, r"^ys\[1\] is on meta but found_inf is on cpu",
+                                        "cpu"),
+    "non-contiguous device, CPU kernel": (
+        "nonfinite_flags", lambda: ([torch.ones(2, 2).t(), torch.ones(2, 2, device="meta").t()],),
+        ValueError, r"^tensors\[1\] is on meta but tensors\[0\] is on cpu", "cpu"),
     "l2norm devices": ("l2norm", lambda: ([torch.ones(2), _meta(2)], False),
                        ValueError, r"^tensors\[1\] is on meta but tensors\[0\] is on cpu", "op"),
     "l2norm devices, CPU kernel": ("l2norm", lambda: ([torch.ones(2), _meta(2)], False),
-                                   ValueError, r"^tensors\[1\] is on meta but tensors\[0\] is on cpu",
-                                   "cpu"),
+                                   ValueError,
+                                   r"^tensors\[1\] is on meta but tensors\[0\] is on cpu", "cpu"),
     "nonfinite_flags devices, CPU kernel": (
         "nonfinite_flags", lambda: ([torch.ones(2), _meta(2)],),
         ValueError, r"^tensors\[1\] is on meta but tensors\[0\] is on cpu", "cpu"),
@@ -281,14 +321,22 @@ BAD_OP_CALLS = {
         torch.zeros(4)), ValueError, r"^outputs\[0\] shares memory with outputs\[1\]", "op"),
     "expanded output": ("scale_out", lambda: ([torch.ones(2, 3)], [torch.zeros(3).expand(2, 3)],
                                               2.0, torch.zeros(1)),
-                        ValueError, r"^outputs\[0\] has elements that share memory \(an expand\(\)ed",
-                        "op"),
+                        ValueError,
+                        r"^outputs\[0\] has elements that share memory \(an expand\(\)ed", "op"),
     "strided output over an input": ("scale_out", lambda: (lambda b: ([b[0:4]], [b[::2]], 2.0,
                                                                       torch.zeros(1)))(
         torch.arange(8.0)), ValueError, r"^outputs\[0\] shares memory with inputs\[0\]", "op"),
     "axpby_ y is another pair's x": ("axpby_", lambda: (lambda r: (r[:2], [r[1], torch.ones(2)],
                                                                    1.0, 1.0, torch.zeros(1)))(
         _rows()), ValueError, r"^ys\[0\] shares memory with xs\[1\]", "op"),
+    "expanded y in place": ("axpby_", lambda: ([torch.ones(2, 3)], [torch.zeros(3).expand(2, 3)],
+                                              1.0, 1.0, torch.zeros(1)),
+                            ValueError, r"^ys\[0\] has elements that share memory", "op"),
+    "outputs overlap past an empty one": (
+        "scale_out", lambda: (lambda b: ([torch.ones(3), torch.ones(0), torch.ones(3)],
+                                         [b[0:3], b[1:1], b[2:5]], 2.0, torch.zeros(1)))(
+            torch.zeros(5)),
+        ValueError, r"^outputs\[0\] shares memory with outputs\[2\]", "op"),
     "axpby_out output is another pair's y": (
         "axpby_out", lambda: (lambda ys: ([torch.ones(2), torch.ones(2)], ys, [ys[1], ys[0]], 1.0,
                                           1.0, torch.zeros(1)))([torch.ones(2), torch.ones(2)]),
@@ -300,13 +348,15 @@ BAD_OP_CALLS = {
 def test_cpp_argument_checks(ops, case):
     """The op refuses the call in C++ (or, for meta tensors, in its fake kernel) with the
     exception type and message the Python checks give."""
-    name, args, error, message, through = BAD_OP_CALLS[case]
+    name, make_args, error, message, through = BAD_OP_CALLS[case]
     op = getattr(ops, name) if through == "op" else _cpu_kernel(name)
-    native = _raised(lambda: op(*args()))
+    # One set of tensors for both: which overlapping pair is named depends on their addresses.
+    args = make_args()
+    native = _raised(lambda: op(*args))
     assert native is not None, f"{case}: the op accepted the call"
     assert native[0] is error, native
     assert re.search(message, native[1]), native[1]
-    assert _raised(lambda: _python_check(name)(*args())) == native
+    assert _raised(lambda: _python_check(name)(*args)) == native
 
 
 def test_a_refused_op_call_writes_nothing(ops):
@@ -344,10 +394,20 @@ def test_outputs_that_are_their_own_inputs_pass_the_cpp_checks(ops, name):
     assert [r.tolist() for r in rows] == expected
 
 
+def test_empty_tensors_inside_others_pass_the_cpp_checks(ops):
+    """An empty view has no memory, wherever its address lies."""
+    b = torch.ones(4)
+    ops.scale_([b, b[2:2], b[0:0]], 2.0, torch.zeros(1))
+    ops.scale_out([b, torch.ones(0)], [b, b[1:1]], 2.0, torch.zeros(1))
+    ops.axpby_([b[3:3], b], [b[1:1], b], 1.0, 1.0, torch.zeros(1))
+    ops.axpby_out([b[1:1], b], [b[3:3], b], [b[2:2], b], 1.0, 1.0, torch.zeros(1))
+    assert b.tolist() == [16.0] * 4
+
+
 def _random_view(buffer, generator):
     """A random view of ``buffer`` (64 fp32 elements): a slice, a strided slice, a 2-D block or
-    its transpose, an expanded row; or a tensor of its own."""
-    kind = int(torch.randint(8, (), generator=generator))
+    its transpose, an expanded row, an empty slice; or a tensor of its own."""
+    kind = int(torch.randint(9, (), generator=generator))
     start = int(torch.randint(0, 32, (), generator=generator))
     length = int(torch.randint(1, 17, (), generator=generator))
     if kind < 2:
@@ -360,6 +420,8 @@ def _random_view(buffer, generator):
         return buffer[start:start + 16].view(4, 4).t()
     if kind == 6:
         return buffer[start:start + 4].expand(3, 4)
+    if kind == 7:
+        return buffer[start:start]
     return torch.zeros(length)
 
 

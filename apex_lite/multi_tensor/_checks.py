@@ -170,7 +170,7 @@ def check_no_overlap(outputs: NamedList, *inputs: NamedList) -> None:
 
 # --- the checks of each call --------------------------------------------------------------------
 # ``names`` are the arguments' names in the messages: the public API's by default, the op's
-# (csrc/ops.cpp) where an op is checked. ``memory=False`` leaves out the overlap rule, for tensors
+# (csrc/ops.cpp) where an op is checked (the ops' checks below). ``memory=False`` leaves out the overlap rule, for tensors
 # that have no memory to compare (the fake kernels' meta and fake tensors).
 
 def check_scale(inputs: Tensors, outputs: Tensors, found_inf: torch.Tensor, in_place: bool,
@@ -211,3 +211,24 @@ def check_reduction(tensors: Tensors) -> None:
     """``l2norm`` and ``nonfinite_flags``: read only, on the device of ``tensors[0]``."""
     if tensors:
         check_tensors(first_device(tensors), "tensors[0]", ("tensors", tensors))
+
+
+# The ops' checks under the ops' argument names, as csrc/multi_tensor_checks.h names them (for
+# the reductions, ``check_reduction`` serves both).
+
+def check_scale_(tensors: Tensors, found_inf: torch.Tensor, memory: bool = True) -> None:
+    check_scale(tensors, tensors, found_inf, True, ("tensors", "tensors"), memory)
+
+
+def check_scale_out(inputs: Tensors, outputs: Tensors, found_inf: torch.Tensor,
+                    memory: bool = True) -> None:
+    check_scale(inputs, outputs, found_inf, False, memory=memory)
+
+
+def check_axpby_(xs: Tensors, ys: Tensors, found_inf: torch.Tensor, memory: bool = True) -> None:
+    check_axpby(xs, ys, ys, found_inf, ("xs", "ys", "ys"), memory)
+
+
+def check_axpby_out(xs: Tensors, ys: Tensors, outputs: Tensors, found_inf: torch.Tensor,
+                    memory: bool = True) -> None:
+    check_axpby(xs, ys, outputs, found_inf, memory=memory)

@@ -18,22 +18,22 @@ _registered = False
 
 
 def _scale_(tensors: List[torch.Tensor], scale: float, found_inf: torch.Tensor) -> None:
-    _checks.check_scale(tensors, tensors, found_inf, True, ("tensors", "tensors"), memory=False)
+    _checks.check_scale_(tensors, found_inf, memory=False)
 
 
 def _scale_out(inputs: List[torch.Tensor], outputs: List[torch.Tensor], scale: float,
                found_inf: torch.Tensor) -> None:
-    _checks.check_scale(inputs, outputs, found_inf, False, memory=False)
+    _checks.check_scale_out(inputs, outputs, found_inf, memory=False)
 
 
 def _axpby_(xs: List[torch.Tensor], ys: List[torch.Tensor], a: float, b: float,
             found_inf: torch.Tensor) -> None:
-    _checks.check_axpby(xs, ys, ys, found_inf, ("xs", "ys", "ys"), memory=False)
+    _checks.check_axpby_(xs, ys, found_inf, memory=False)
 
 
 def _axpby_out(xs: List[torch.Tensor], ys: List[torch.Tensor], outputs: List[torch.Tensor],
                a: float, b: float, found_inf: torch.Tensor) -> None:
-    _checks.check_axpby(xs, ys, outputs, found_inf, memory=False)
+    _checks.check_axpby_out(xs, ys, outputs, found_inf, memory=False)
 
 
 def _l2norm(tensors: List[torch.Tensor], per_tensor: bool) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -68,7 +68,7 @@ def scale_(tensors: Tensors, scale: float, found_inf: torch.Tensor) -> None:
     if _contiguous(tensors):
         _scale_(tensors, scale, found_inf)
         return
-    _checks.check_scale(tensors, tensors, found_inf, True, ("tensors", "tensors"))
+    _checks.check_scale_(tensors, found_inf)
     staged = _read_copies(tensors)
     _scale_(staged, scale, found_inf)
     _copy_back(tensors, staged)
@@ -79,7 +79,7 @@ def scale_out(inputs: Tensors, outputs: Tensors, scale: float, found_inf: torch.
     if _contiguous(inputs) and _contiguous(outputs):
         _scale_out(inputs, outputs, scale, found_inf)
         return
-    _checks.check_scale(inputs, outputs, found_inf, False)
+    _checks.check_scale_out(inputs, outputs, found_inf)
     staged_out = _write_buffers(outputs)
     _scale_out(_read_copies(inputs), staged_out, scale, found_inf)
     _copy_back(outputs, staged_out)
@@ -90,7 +90,7 @@ def axpby_(xs: Tensors, ys: Tensors, a: float, b: float, found_inf: torch.Tensor
     if _contiguous(xs) and _contiguous(ys):
         _axpby_(xs, ys, a, b, found_inf)
         return
-    _checks.check_axpby(xs, ys, ys, found_inf, ("xs", "ys", "ys"))
+    _checks.check_axpby_(xs, ys, found_inf)
     staged_ys = _read_copies(ys)
     _axpby_(_read_copies(xs), staged_ys, a, b, found_inf)
     _copy_back(ys, staged_ys)
@@ -102,7 +102,7 @@ def axpby_out(xs: Tensors, ys: Tensors, outputs: Tensors, a: float, b: float,
     if _contiguous(xs) and _contiguous(ys) and _contiguous(outputs):
         _axpby_out(xs, ys, outputs, a, b, found_inf)
         return
-    _checks.check_axpby(xs, ys, outputs, found_inf)
+    _checks.check_axpby_out(xs, ys, outputs, found_inf)
     staged_out = _write_buffers(outputs)
     _axpby_out(_read_copies(xs), _read_copies(ys), staged_out, a, b, found_inf)
     _copy_back(outputs, staged_out)

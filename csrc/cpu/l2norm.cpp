@@ -7,8 +7,7 @@
 // thread count; norms are rounded once to fp32. An inf or NaN element makes its tensor's norm
 // and the total inf or NaN. CPU tensors of fp32/fp16/bf16 and any strides (non-contiguous ones
 // are read through contiguous copies), on the device of tensors[0] (multi_tensor_checks.h),
-// possibly empty (norm 0); 64-bit sizes. One
-// at::parallel_for over chunks spanning all tensors.
+// possibly empty (norm 0); 64-bit sizes. One at::parallel_for over chunks spanning all tensors.
 #include "multi_tensor_cpu.h"
 
 #include <torch/library.h>

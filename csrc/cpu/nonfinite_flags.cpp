@@ -3,8 +3,9 @@
 // Contract: returns a bool tensor of shape [len(tensors)], True where tensors[i] has an inf or
 // NaN element; empty tensors are finite. Reads only; CPU tensors of fp32/fp16/bf16 and any
 // strides (non-contiguous ones are read through contiguous copies), on the device of tensors[0]
-// (multi_tensor_checks.h); 64-bit sizes. One at::parallel_for over chunks spanning all tensors; each segment writes its
-// own flag and the flags are combined per tensor afterwards, so no two threads write one byte.
+// (multi_tensor_checks.h); 64-bit sizes. One at::parallel_for over chunks spanning all tensors;
+// each segment writes its own flag and the flags are combined per tensor afterwards, so no two
+// threads write one byte.
 #include "multi_tensor_cpu.h"
 
 #include <torch/library.h>

@@ -5,7 +5,8 @@
 // never written 0. Tensors may mix fp32/fp16/bf16, are CPU tensors of any strides (non-contiguous
 // ones are staged through contiguous copies and copied back), may be empty;
 // sizes and offsets are 64-bit. Arguments are checked as multi_tensor_checks.h says (tensors that
-// share memory are refused) before anything is written. One at::parallel_for over chunks spanning all tensors.
+// share memory are refused) before anything is written. One at::parallel_for over chunks
+// spanning all tensors.
 #include "multi_tensor_cpu.h"
 
 #include <torch/library.h>
