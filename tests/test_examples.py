@@ -38,6 +38,8 @@ SCRIPTS = {
                  "--log-every", "2", "--threads", "1"],
     "distributed": ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                     "examples/distributed.py", "--steps", "20", "--width", "32"],
+    "fsdp": ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+             "examples/fsdp.py", "--steps", "20", "--width", "32", "--blocks", "2"],
     "step_overhead": ["bench/step_overhead.py", "--smoke", "--threads", "1"],
     "train_smoke": ["bench/train.py", "--smoke", "--threads", "1"],   # + --json --plot, per run
     "optimizers": ["bench/optimizers.py", "--smoke", "--threads", "1"],
@@ -60,7 +62,8 @@ def runs(tmp_path_factory):
     (blocker / "__init__.py").write_text('raise ImportError("blocked by test_examples.py")\n')
     extras = {"amp_recipe": ["--plot", str(out_dir / "amp_recipe.png")],
               "train_smoke": ["--json", str(out_dir / "train.json"),
-                              "--plot", str(out_dir / "train.png")]}
+                              "--plot", str(out_dir / "train.png")],
+              "fsdp": ["--checkpoint", str(out_dir / "fsdp_checkpoint")]}
     processes = {}
     for name, argv in SCRIPTS.items():
         run_env = env
@@ -290,3 +293,16 @@ def test_distributed_example_trains_on_two_ranks(runs):
                      r" +skipped (\d+)/20 +\(2 ranks\)", stdout)
     assert last, stdout
     assert math.isfinite(float(last.group(1))) and int(last.group(3)) == 0
+
+
+def test_fsdp_example_trains_sharded_on_two_ranks(runs):
+    stdout, _ = _ok(runs, "fsdp")
+    first = re.search(r"step +0 +loss " + NUMBER, stdout)
+    last = re.search(r"step +19 +loss " + NUMBER + r" +loss scale " + NUMBER +
+                     r" +skipped (\d+)/20 +\(2 ranks\)", stdout)
+    assert first and last, stdout
+    assert float(last.group(1)) < float(first.group(1))          # it learns
+    assert "optimizer 0 (AdamW): fused step" in stdout
+    assert "all-gathered in torch.bfloat16" in stdout             # O2's half compute, by FSDP2
+    assert "FSDP2: 3 fully_shard unit(s) over 2 rank(s)" in stdout
+    assert re.search(r"saved \S+fsdp_checkpoint at step 20", stdout)   # through DCP

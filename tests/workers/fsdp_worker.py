@@ -434,12 +434,14 @@ def main():
         os._exit(1)   # a rank that failed must not wait in a collective for its peer
     torch.save(results, os.path.join(args.out, f"{args.job}_rank{rank}.pt"))
     dist.barrier()   # no rank tears the gloo group down while a peer still uses it
-    # Free the sharded models (they hold the device mesh, which holds the group) before the
-    # group is destroyed, so that gloo's threads are joined here and not at interpreter exit.
-    del results
-    import gc
-    gc.collect()
     dist.destroy_process_group()
+    # The models are gone (they lived in the jobs), but torch's DTensor sharding cache keeps
+    # their device mesh, and with it gloo's threads, alive past destroy_process_group. A gloo
+    # thread still running while the interpreter finalizes can abort the process ("terminate
+    # called without an active exception"), so this rank leaves without finalizing: its
+    # results are on disk.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
