@@ -58,7 +58,9 @@ class Net(torch.nn.Module):
 
 class Case(NamedTuple):
     """One training run: the opt level, how the model is sharded, amp's extra arguments, the
-    optimizer, and clipping (None, or (how, max_norm, norm_type))."""
+    optimizer, clipping (None, or (how, max_norm, norm_type)), and gradient accumulation
+    (``micro`` backwards per step, all but the last with ``delay_unscale`` when asked, and with
+    FSDP2's gradient reduction off (``set_requires_gradient_sync(False)``) when ``no_sync``)."""
     name: str
     level: str
     layout: str
@@ -67,6 +69,9 @@ class Case(NamedTuple):
     clip: Optional[tuple] = None
     steps: int = STEPS
     inject: bool = True
+    micro: int = 1
+    delay_unscale: bool = False
+    no_sync: bool = False
 
 
 CASES = [
@@ -80,6 +85,10 @@ CASES = [
     Case("O2_master_params_clip", "O2", "unsharded_after_forward",
          clip=("master_params", 0.5, 2.0)),
     Case("O1_clip_inf", "O1", "nested", clip=("amp", 0.05, math.inf)),
+    Case("O2_accumulate", "O2", "nested", micro=2),
+    Case("O1_accumulate_delay_unscale", "O1", "unsharded_after_forward", micro=2,
+         delay_unscale=True),
+    Case("O2_accumulate_no_sync", "O2", "nested", micro=2, delay_unscale=True, no_sync=True),
 ]
 CASE = {case.name: case for case in CASES}
 CHECKPOINT_CASE = Case("checkpoint", "O2", "nested", optimizer="adamw",
@@ -135,13 +144,16 @@ def shard(model: Net, layout: str, policy) -> None:
         raise ValueError(layout)
 
 
-def batch(step: int, rank: int = 0, world: int = 1):
-    """This rank's share of the global batch of ``step`` (all of it for world 1)."""
+def batch(step: int, rank: int = 0, world: int = 1, micro: int = 0, micros: int = 1):
+    """This rank's share (all of it for world 1) of micro-batch ``micro`` of ``micros`` of the
+    global batch of ``step``."""
     generator = torch.Generator().manual_seed(1000 + step)
     x = torch.randn(GLOBAL_BATCH, D_IN, generator=generator)
     teacher = torch.randn(D_IN, D_OUT, generator=torch.Generator().manual_seed(7))
     y = torch.tanh(x @ teacher)
-    rows = GLOBAL_BATCH // world
+    rows = GLOBAL_BATCH // micros
+    x, y = x[micro * rows:(micro + 1) * rows], y[micro * rows:(micro + 1) * rows]
+    rows //= world
     return x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
 
 
@@ -166,17 +178,26 @@ def train(case: Case, model, optimizer, handle, *, rank: int = 0, world: int = 1
           first_step: int = 0, last_step: Optional[int] = None, inject_rank: int = 1,
           on_step=None) -> Dict[str, list]:
     """Steps ``first_step`` .. ``last_step - 1`` of ``case``; returns per step the local loss,
-    whether it was skipped, the loss scale, and the clip norm (when clipping)."""
-    record = {"loss": [], "skipped": [], "scale": [], "norm": [], "master_grads": None}
+    the loss scaler's decision (``skipped``: its last backward overflowed), whether the
+    optimizer changed the weights (``applied``), the loss scale, and the clip norm."""
+    record = {"loss": [], "skipped": [], "applied": [], "scale": [], "norm": [],
+              "master_grads": None}
     last_step = case.steps if last_step is None else last_step
     for step in range(first_step, last_step):
-        x, y = batch(step, rank, world)
-        loss = F.mse_loss(model(x).float(), y)
         optimizer.zero_grad()
-        with handle.scale_loss(loss, optimizer) as scaled_loss:
-            scaled_loss.backward()
-            if case.inject and step == INJECT_STEP and rank == (inject_rank if world > 1 else 0):
-                inject_inf(model)
+        for micro in range(case.micro):
+            x, y = batch(step, rank, world, micro, case.micro)
+            loss = F.mse_loss(model(x).float(), y) / case.micro
+            delay = case.delay_unscale and micro < case.micro - 1
+            if case.no_sync and world > 1:   # FSDP2 reduces the gradients at the last one
+                model.set_requires_gradient_sync(micro == case.micro - 1)
+            with handle.scale_loss(loss, optimizer, delay_unscale=delay) as scaled_loss:
+                scaled_loss.backward()
+                # Without gradient sync FSDP2 writes the gradient shards at the last backward.
+                inject_micro = case.micro - 1 if case.no_sync else 0
+                if case.inject and step == INJECT_STEP and micro == inject_micro \
+                        and rank == (inject_rank if world > 1 else 0):
+                    inject_inf(model)
         if case.clip is not None:
             how, max_norm, norm_type = case.clip
             if how == "amp":
@@ -187,9 +208,12 @@ def train(case: Case, model, optimizer, handle, *, rank: int = 0, world: int = 1
                     record["master_grads"] = [full(p.grad) for p in masters]
                 norm = torch.nn.utils.clip_grad_norm_(masters, max_norm, norm_type)
             record["norm"].append(float(full(norm)))
+        before = [local(p).clone() for group in optimizer.param_groups for p in group["params"]]
         optimizer.step()
+        after = [local(p) for group in optimizer.param_groups for p in group["params"]]
+        record["applied"].append(any(not torch.equal(a, b) for a, b in zip(before, after)))
         scaler = handle.loss_scalers()[0]
-        record["loss"].append(loss.item())
+        record["loss"].append(loss.item() * case.micro)
         record["skipped"].append(scaler.last_step_skipped)
         record["scale"].append(scaler.loss_scale)
         if on_step is not None:
