@@ -84,8 +84,8 @@ def fused_accumulate(new: List[torch.Tensor], into: List[torch.Tensor], scale: S
                      found_inf: torch.Tensor) -> None:
     """``into += scale * new`` (``multi_tensor.axpby`` in place) for lists amp built."""
     ops = _ops(scale, found_inf)
-    ops.axpby_(local_shards(new), local_shards(into), scale if isinstance(scale, torch.Tensor) else float(scale), 1.0,
-               found_inf)
+    ops.axpby_(local_shards(new), local_shards(into),
+               scale if isinstance(scale, torch.Tensor) else float(scale), 1.0, found_inf)
 
 
 def flag_nonfinite(tensors: List[torch.Tensor], found_inf: torch.Tensor) -> None:
