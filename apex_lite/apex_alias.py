@@ -10,12 +10,15 @@ or, without touching the code: ``python -m apex_lite.apex_alias train.py [args]`
 process and prints what each name resolves to.
 
 What it does: puts a stand-in package ``apex`` in ``sys.modules`` and a finder on
-``sys.meta_path`` that maps ``apex.amp[...]`` to ``apex_lite.amp[...]`` and
-``apex.optimizers[...]`` to ``apex_lite.optimizers[...]``. Targets are imported when the alias
-is, not before. The modules are apex_lite's own objects, so ``'state_dict' in amp.__dict__``
-(timm's ApexScaler) holds. Other parts of apex (``apex.parallel``, ``apex.normalization``, ...)
-raise ModuleNotFoundError, an ImportError, naming what torch offers instead, so code that guards
-them with ``try/except ImportError`` takes its non-apex path.
+``sys.meta_path`` that maps ``apex.<name>[...]`` to the apex_lite module ``TARGETS[name][...]``
+(``apex.amp`` to ``apex_lite.amp``, ``apex.optimizers`` to ``apex_lite.optimizers``,
+``apex.multi_tensor_apply`` to ``apex_lite.apex_multi_tensor``) and, when no other ``amp_C`` is
+importable, the module ``amp_C`` (apex's compiled ops) to ``apex_lite.apex_multi_tensor``.
+Targets are imported when the alias is, not before. The modules are apex_lite's own objects, so
+``'state_dict' in amp.__dict__`` (timm's ApexScaler) holds. Other parts of apex
+(``apex.parallel``, ``apex.normalization``, ...) raise ModuleNotFoundError, an ImportError,
+naming what torch offers instead, so code that guards them with ``try/except ImportError`` takes
+its non-apex path.
 
 When it refuses (``ApexAliasError``), nothing is changed: a package named ``apex`` is
 importable, or already imported, and is not apex_lite's. Such a package is NVIDIA's when its
@@ -23,7 +26,8 @@ directory holds one of ``NVIDIA_MARKERS`` (files that every NVIDIA apex release 
 and after amp's removal); it is only looked at on disk, never imported (NVIDIA's ``apex``
 imports its CUDA extensions). apex_lite's own installable ``apex`` package (``compat/apex``)
 identifies itself with a ``FORWARDER_MARKER`` file in its directory; with it installed, ``import
-apex`` already gives apex_lite and the alias is not needed.
+apex`` already gives apex_lite and the alias is not needed. That package's ``__init__`` serves
+its subpackages through the same finder (``forward_subpackages``).
 """
 from __future__ import annotations
 
@@ -37,17 +41,22 @@ import types
 from typing import Dict, List, Optional
 
 # apex's subpackages that apex_lite provides, and where they live in apex_lite.
-TARGETS = {"amp": "apex_lite.amp", "optimizers": "apex_lite.optimizers"}
+TARGETS = {"amp": "apex_lite.amp", "optimizers": "apex_lite.optimizers",
+           "multi_tensor_apply": "apex_lite.apex_multi_tensor"}
+# apex's compiled multi-tensor ops, a top-level module: served by the same apex_lite module.
+AMP_C = "amp_C"
+AMP_C_TARGET = "apex_lite.apex_multi_tensor"
 # What to use instead of the parts of apex that apex_lite does not provide.
 INSTEAD = {
     "parallel": "torch.nn.parallel.DistributedDataParallel and torch.nn.SyncBatchNorm",
     "normalization": "torch.nn.LayerNorm and torch.nn.RMSNorm",
     "fp16_utils": "apex_lite.amp at O2 (fp32 master weights)",
-    "multi_tensor_apply": "apex_lite.multi_tensor",
 }
 NVIDIA_MARKERS = ("amp/_amp_state.py", "optimizers/fused_adam.py",
                   "normalization/fused_layer_norm.py")
 FORWARDER_MARKER = "_apex_lite_forwarder.py"
+# Set when install_apex_alias found another amp_C and left it alone (never imported).
+_foreign_amp_c: Optional[str] = None
 _ALIAS_ATTRIBUTE = "__apex_lite_alias__"
 
 
@@ -96,23 +105,32 @@ def _refusal(existing: Dict[str, object]) -> str:
             f"uninstall apex), or import apex_lite directly: from apex_lite import amp.")
 
 
-class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds ``apex.<sub>[...]`` for the subpackages in TARGETS as the apex_lite modules."""
+def _provided() -> str:
+    names = [f"apex.{name}" for name in TARGETS]
+    return f"{', '.join(names[:-1])} and {names[-1]}"
 
-    def __init__(self):
+
+class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds ``apex.<sub>[...]`` for the subpackages in TARGETS as the apex_lite modules, and
+    ``amp_C`` when ``serve_amp_c``."""
+
+    def __init__(self, serve_amp_c: bool):
+        self.serve_amp_c = serve_amp_c
         self._originals = {}   # alias name -> the target module's own __spec__
 
     def find_spec(self, fullname, path=None, target=None):
         parts = fullname.split(".")
-        if parts[0] != "apex" or len(parts) < 2:
+        if fullname == AMP_C and self.serve_amp_c:
+            target_name = AMP_C_TARGET
+        elif parts[0] != "apex" or len(parts) < 2:
             return None
-        if parts[1] not in TARGETS:
+        elif parts[1] not in TARGETS:
             hint = INSTEAD.get(parts[1])
             raise ModuleNotFoundError(
-                f"No module named {fullname!r}: apex_lite's apex alias provides "
-                f"{' and '.join('apex.' + t for t in TARGETS)} only"
-                + (f"; use {hint} instead" if hint else ""), name=fullname)
-        target_name = ".".join([TARGETS[parts[1]]] + parts[2:])
+                f"No module named {fullname!r}: apex_lite's apex provides {_provided()} "
+                f"only" + (f"; use {hint} instead" if hint else ""), name=fullname)
+        else:
+            target_name = ".".join([TARGETS[parts[1]]] + parts[2:])
         try:
             module = importlib.import_module(target_name)
         except ModuleNotFoundError as exc:
@@ -134,6 +152,27 @@ class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         module.__spec__ = self._originals[module.__spec__.name]
 
 
+def _apex_getattr(name):
+    """``apex.<name>`` for a subpackage not imported yet (``import apex; apex.amp.initialize``)."""
+    if name in TARGETS:
+        return importlib.import_module(f"apex.{name}")
+    raise AttributeError(f"module 'apex' (apex_lite's) has no attribute {name!r}; it provides "
+                         f"{_provided()}")
+
+
+def _install_finder(serve_amp_c: bool) -> None:
+    if not any(isinstance(finder, _AliasFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _AliasFinder(serve_amp_c))
+
+
+def forward_subpackages():
+    """For apex_lite's installable ``apex`` package (``compat/apex``): serve its subpackages
+    through the alias's finder (one object per module, ``import apex.amp.scaler`` included) and
+    return the package's ``__getattr__``. Its ``amp_C`` is a module of its own there."""
+    _install_finder(serve_amp_c=False)
+    return _apex_getattr
+
+
 def _stand_in() -> types.ModuleType:
     """The ``apex`` package: its subpackages load on first attribute access or import."""
     apex = types.ModuleType("apex", "apex_lite's stand-in for NVIDIA apex "
@@ -141,13 +180,7 @@ def _stand_in() -> types.ModuleType:
     apex.__path__ = []   # a package, so that ``import apex.amp`` asks the finders
     apex.__spec__ = importlib.machinery.ModuleSpec("apex", None, is_package=True)
     setattr(apex, _ALIAS_ATTRIBUTE, True)
-
-    def __getattr__(name):
-        if name in TARGETS:
-            return importlib.import_module(f"apex.{name}")
-        raise AttributeError(f"module 'apex' (apex_lite's alias) has no attribute {name!r}")
-
-    apex.__getattr__ = __getattr__
+    apex.__getattr__ = _apex_getattr
     return apex
 
 
@@ -165,23 +198,42 @@ def install_apex_alias() -> str:
             return (f"apex is apex_lite's forwarding package ({existing['where']}); "
                     f"nothing to install")
         raise ApexAliasError(_refusal(existing))
-    sys.meta_path.insert(0, _AliasFinder())
+    # An amp_C that is not apex_lite's (NVIDIA's compiled ops, left without their package) is
+    # left alone: only looked up, never imported.
+    global _foreign_amp_c
+    module = sys.modules.get(AMP_C)
+    spec = getattr(module, "__spec__", None) if module is not None else \
+        importlib.util.find_spec(AMP_C)
+    serve_amp_c = module is None and spec is None
+    _foreign_amp_c = None if serve_amp_c else (getattr(spec, "origin", None) or "an amp_C")
+    _install_finder(serve_amp_c)
     sys.modules["apex"] = _stand_in()
-    return ("installed the apex alias: " +
-            ", ".join(f"apex.{name} -> {target}" for name, target in TARGETS.items()))
+    done = ", ".join(f"apex.{name} -> {target}" for name, target in TARGETS.items())
+    return (f"installed the apex alias: {done}, " +
+            (f"{AMP_C} -> {AMP_C_TARGET}" if serve_amp_c
+             else f"{AMP_C} left alone (another {AMP_C} is importable)"))
 
 
 def describe_targets() -> List[str]:
     """One line per alias: what it resolves to now, or why it does not."""
     lines = []
-    for name, target in TARGETS.items():
+    names = {f"apex.{name}": target for name, target in TARGETS.items()}
+    names[AMP_C] = AMP_C_TARGET
+    width = max(map(len, names))
+    for name, target in names.items():
+        if name == AMP_C and _foreign_amp_c is not None:
+            lines.append(f"  {name:<{width}} -> left alone ({_foreign_amp_c} is not apex_lite's)")
+            continue
         try:
-            module = importlib.import_module(f"apex.{name}")
+            module = importlib.import_module(name)
         except ImportError as exc:
-            lines.append(f"  apex.{name:<12} -> {target}: not importable ({exc})")
+            lines.append(f"  {name:<{width}} -> {target}: not importable ({exc})")
+            continue
+        if module.__name__ != target:
+            lines.append(f"  {name:<{width}} -> {module.__name__} (not apex_lite's)")
             continue
         exported = [n for n in getattr(module, "__all__", [])][:6]
-        lines.append(f"  apex.{name:<12} -> {module.__name__}"
+        lines.append(f"  {name:<{width}} -> {module.__name__}"
                      + (f" ({', '.join(exported)}, ...)" if exported else ""))
     return lines
 

@@ -96,8 +96,11 @@ def test_the_command_alone_prints_what_it_did():
     result = _python(["-m", "apex_lite.apex_alias"])
     assert result.returncode == 0, result.stderr
     assert "installed the apex alias" in result.stdout
-    assert "apex.amp          -> apex_lite.amp (initialize, scale_loss" in result.stdout
-    assert "apex.optimizers   -> " in result.stdout
+    assert "apex.amp                -> apex_lite.amp (initialize, scale_loss" in result.stdout
+    assert "apex.optimizers         -> " in result.stdout
+    assert "apex.multi_tensor_apply -> apex_lite.apex_multi_tensor (MultiTensorApply, " \
+           "multi_tensor_applier" in result.stdout
+    assert "amp_C                   -> apex_lite.apex_multi_tensor" in result.stdout
     assert "RuntimeWarning" not in result.stderr   # the module is executed once
 
 
@@ -178,12 +181,60 @@ print(json.dumps(facts))
     assert facts.pop("first").startswith("installed the apex alias: apex.amp -> apex_lite.amp")
     assert facts.pop("again") == "the apex alias was already installed in this process"
     assert facts.pop("parallel") == (
-        "ModuleNotFoundError: No module named 'apex.parallel': apex_lite's apex alias provides "
-        "apex.amp and apex.optimizers only; use torch.nn.parallel.DistributedDataParallel and "
-        "torch.nn.SyncBatchNorm instead")
+        "ModuleNotFoundError: No module named 'apex.parallel': apex_lite's apex provides "
+        "apex.amp, apex.optimizers and apex.multi_tensor_apply only; use "
+        "torch.nn.parallel.DistributedDataParallel and torch.nn.SyncBatchNorm instead")
     assert "has no attribute 'contrib'" in facts.pop("contrib")
     assert facts == {"amp_is_apex_lite_amp": True, "attribute": True, "state_dict_in_dict": True,
                      "scaler": "apex_lite.amp.scaler", "spec_kept": True, "find_spec": True}
+
+
+@no_apex_here
+def test_apex_multi_tensor_apply_and_amp_c_through_the_alias():
+    """fairseq's and Megatron's fused clipping finds apex's ops: multi_tensor_applier and amp_C
+    are apex_lite's, with _amp_state beside them."""
+    code = """
+import json
+import torch
+import apex_lite
+first = apex_lite.install_apex_alias()
+from apex.multi_tensor_apply import multi_tensor_applier
+from apex.amp import _amp_state
+import amp_C
+from amp_C import multi_tensor_l2norm
+import apex_lite.apex_multi_tensor as ours
+grads = [torch.ones(3), torch.ones(4)]
+buf = torch.zeros(1, dtype=torch.int)
+norm, per = multi_tensor_applier(amp_C.multi_tensor_l2norm, buf, [grads], True)
+print(json.dumps({"first": first, "same": amp_C is ours and multi_tensor_l2norm is
+                  ours.multi_tensor_l2norm and multi_tensor_applier is ours.multi_tensor_applier,
+                  "available": multi_tensor_applier.available, "norm": norm.tolist(),
+                  "per": per.tolist(), "amp_state": repr(_amp_state)}))
+"""
+    result = _python(code)
+    assert result.returncode == 0, result.stderr
+    facts = json.loads(result.stdout)
+    assert facts["first"].endswith("apex.multi_tensor_apply -> apex_lite.apex_multi_tensor, "
+                                   "amp_C -> apex_lite.apex_multi_tensor")
+    assert facts["same"] and facts["available"]
+    assert facts["norm"] == [pytest.approx(7 ** 0.5)]
+    assert facts["per"] == pytest.approx([3 ** 0.5, 2])
+    assert facts["amp_state"] == "<amp._amp_state (apex_lite): before amp.initialize>"
+
+
+def test_the_alias_leaves_another_amp_c_alone(tmp_path):
+    (tmp_path / "amp_C.py").write_text(f"open({str(tmp_path / 'IMPORTED')!r}, 'w').close()\n")
+    if importlib.util.find_spec("apex") is not None:
+        pytest.skip("a package named apex is installed here")
+    result = _python("import apex_lite\nprint(apex_lite.install_apex_alias())\n"
+                     "import apex.multi_tensor_apply", path_first=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().endswith("amp_C left alone (another amp_C is importable)")
+    command = _python(["-m", "apex_lite.apex_alias"], path_first=tmp_path)
+    assert command.returncode == 0, command.stderr
+    assert f"amp_C                   -> left alone ({tmp_path / 'amp_C.py'} is not " \
+           f"apex_lite's)" in command.stdout
+    assert not (tmp_path / "IMPORTED").exists()
 
 
 # ---- refusals -------------------------------------------------------------------------------

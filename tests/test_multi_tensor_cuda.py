@@ -11,32 +11,15 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    pytest.skip("CUDA kernel tests need a CUDA GPU", allow_module_level=True)
+from native_cuda import require_cuda_kernels
+
+require_cuda_kernels(("scale_", "scale_out", "axpby_", "axpby_out", "l2norm", "nonfinite_flags"))
 
 from apex_lite.multi_tensor import _python  # noqa: E402
-
-
-def _native_unavailable_reason():
-    try:
-        import apex_lite._C  # noqa: F401  (registers the torch.ops.apex_lite kernels)
-    except ImportError as exc:
-        return f"apex_lite._C is not importable ({exc}); build it with --cuda_ext"
-    if not torch._C._dispatch_has_kernel_for_dispatch_key("apex_lite::scale_", "CUDA"):
-        return "apex_lite._C has no CUDA kernels; build it with --cuda_ext"
-    return None
-
-
-_REASON = _native_unavailable_reason()
-if _REASON is not None:
-    if os.environ.get("APEX_LITE_REQUIRE_EXT", "").strip().lower() in ("1", "true", "yes", "on"):
-        raise RuntimeError(f"APEX_LITE_REQUIRE_EXT=1 but {_REASON}")
-    pytest.skip(_REASON, allow_module_level=True)
 
 native = torch.ops.apex_lite
 

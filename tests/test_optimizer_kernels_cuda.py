@@ -36,38 +36,16 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    pytest.skip("CUDA kernel tests need a CUDA GPU", allow_module_level=True)
-
-from apex_lite.multi_tensor import _python  # noqa: E402
+from native_cuda import require_cuda_kernels
 
 OP_NAMES = ("fused_sgd_", "fused_adam_", "fused_lamb_")
+require_cuda_kernels(OP_NAMES)
 
-
-def _native_unavailable_reason():
-    try:
-        import apex_lite._C  # noqa: F401  (registers the torch.ops.apex_lite kernels)
-    except ImportError as exc:
-        return f"apex_lite._C is not importable ({exc}); build it with --cuda_ext"
-    missing = [name for name in OP_NAMES
-               if not torch._C._dispatch_has_kernel_for_dispatch_key(f"apex_lite::{name}", "CUDA")]
-    if missing:
-        return (f"apex_lite._C has no CUDA kernels for {', '.join(missing)}; "
-                f"build it with --cuda_ext")
-    return None
-
-
-_REASON = _native_unavailable_reason()
-if _REASON is not None:
-    if os.environ.get("APEX_LITE_REQUIRE_EXT", "").strip().lower() in ("1", "true", "yes", "on"):
-        raise RuntimeError(f"APEX_LITE_REQUIRE_EXT=1 but {_REASON}")
-    pytest.skip(_REASON, allow_module_level=True)
-
+from apex_lite.multi_tensor import _python  # noqa: E402
 from apex_lite.multi_tensor._native_ops import STAGED_OPS  # noqa: E402  (needs apex_lite._C)
 
 native = torch.ops.apex_lite

@@ -16,7 +16,7 @@ from .casting import (disable_casts, float_function, half_function, promote_func
                       register_promote_function)
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .diagnostics import DEFAULT_OVERFLOW_PATIENCE, NonfiniteLocator, OverflowStuckError
-from .handle import AmpHandle
+from .handle import AmpHandle, AmpStateView
 from .report import AmpReport
 from .opt_levels import OPT_LEVELS, OptLevel, Properties
 from .scaler import DEFAULT_SCALE_WINDOW, DEFAULT_SYNC_INTERVAL, LossScaler
@@ -37,6 +37,11 @@ _default_handle = AmpHandle()
 def default_handle() -> AmpHandle:
     """The handle behind the module-level functions (for diagnostics and tests)."""
     return _default_handle
+
+
+# apex's global state object, which apex code reads (``from apex.amp import _amp_state``):
+# a read-only view of the default handle, resolved at every read.
+_amp_state = AmpStateView(default_handle)
 
 
 def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model_type=None,

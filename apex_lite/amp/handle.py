@@ -7,6 +7,7 @@ optimizers it patched carry a reference to their own run.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 from collections import OrderedDict
@@ -212,6 +213,113 @@ class _Run:
                              f"model whose parameters the optimizer updates, e.g. "
                              f"amp.initialize([model_a, model_b], optimizer, ...).")
         return [self.master_of.get(p, p) for p in params]
+
+    # ---- the amp state (amp.state_dict() and each amp optimizer's state_dict() carry it) -----
+    def scaler_state(self) -> dict:
+        """The loss scalers' state: apex's ``{"loss_scaler<i>": {"loss_scale", "unskipped"}}``
+        and, under the versioned key "apex_lite", their counters (reads a device scale: a
+        sync). ``amp.state_dict()`` adds the O2 master weights; an optimizer's ``state_dict()``
+        carries this alone (the model's ``state_dict()`` holds the masters)."""
+        state = OrderedDict()
+        for scaler in self.scalers:
+            state[f"loss_scaler{scaler.loss_id}"] = scaler.apex_state()
+        state[STATE_KEY] = {"version": STATE_VERSION, "opt_level": self.properties.opt_level,
+                            "loss_scalers": [scaler.extra_state() for scaler in self.scalers]}
+        return state
+
+    def check_state(self, state_dict: dict, *, with_masters: bool) -> None:
+        """Raise ValueError, changing nothing, when ``state_dict`` (what ``amp.state_dict()`` or
+        apex wrote; with ``with_masters=False``, what ``scaler_state()`` wrote) does not fit
+        this run."""
+        _refuse_what_is_not_an_amp_state(state_dict)
+        n = len(self.scalers)
+        expected = {f"loss_scaler{i}" for i in range(n)}
+        scaler_keys = {k for k in state_dict if k != STATE_KEY}
+        if scaler_keys != expected:
+            found = sorted(k for k in scaler_keys if str(k).startswith("loss_scaler"))
+            other = sorted(str(k) for k in scaler_keys if not str(k).startswith("loss_scaler"))
+            if other:
+                raise ValueError(f"this is not an amp state: unexpected keys {other}; "
+                                 f"amp.load_state_dict takes what amp.state_dict() returned")
+            complete = set(found) == {f"loss_scaler{i}" for i in range(len(found))}
+            if found and complete:
+                raise ValueError(f"the amp state holds {len(found)} loss scaler(s) ({found}) but "
+                                 f"this run has num_losses={n}; initialize with "
+                                 f"num_losses={len(found)} to resume it")
+            missing = sorted(expected - set(found))
+            raise ValueError(f"the amp state lacks {', '.join(map(repr, missing))} (it holds "
+                             f"{found or 'no loss scaler'}): amp.state_dict() writes "
+                             f"'loss_scaler0' to 'loss_scaler<num_losses - 1>', so this state was "
+                             f"damaged or edited. Load the amp state the checkpoint saved.")
+        extra = state_dict.get(STATE_KEY)
+        if extra is not None:
+            self._check_extra(extra, with_masters)
+        for scaler in self.scalers:
+            key = f"loss_scaler{scaler.loss_id}"
+            scaler.check_state(key, state_dict[key],
+                               None if extra is None else extra["loss_scalers"][scaler.loss_id])
+
+    def apply_state(self, state_dict: dict) -> None:
+        """Load a state that ``check_state`` accepted."""
+        extra = state_dict.get(STATE_KEY)
+        for scaler in self.scalers:
+            key = f"loss_scaler{scaler.loss_id}"
+            scaler.load_state(state_dict[key],
+                              None if extra is None else extra["loss_scalers"][scaler.loss_id])
+        if extra is not None and "master_weights" in extra:
+            with torch.no_grad():
+                for pairs, saved in zip(self.master_pairs, extra["master_weights"]):
+                    for (_, model_param, master), value in zip(pairs, saved):
+                        master.copy_(value)
+                        model_param.copy_(master)
+
+    def _check_extra(self, extra, with_masters: bool) -> None:
+        if not isinstance(extra, dict):
+            raise ValueError(f"the amp state's {STATE_KEY!r} entry is a "
+                             f"{type(extra).__name__}, not the dict amp.state_dict() writes; the "
+                             f"checkpoint is damaged or not an amp state")
+        if not isinstance(extra, dict) or extra.get("version") != STATE_VERSION:
+            version = extra.get("version") if isinstance(extra, dict) else None
+            raise ValueError(f"the amp state's {STATE_KEY!r} entry has version {version!r}; this "
+                             f"apex_lite reads version {STATE_VERSION}")
+        keys = {"version", "opt_level", "loss_scalers"} | ({"master_weights"} if with_masters
+                                                           else set())
+        if set(extra) != keys:
+            raise ValueError(f"the amp state's {STATE_KEY!r} entry has keys {sorted(extra)}, "
+                             f"not those {'amp' if with_masters else 'an amp optimizer'}"
+                             f".state_dict() writes")
+        if extra["opt_level"] != self.properties.opt_level:
+            raise ValueError(f"the amp state was saved at opt_level {extra['opt_level']!r} but "
+                             f"this run uses {self.properties.opt_level!r}; initialize with "
+                             f"opt_level={extra['opt_level']!r} to resume it")
+        scalers = extra["loss_scalers"]
+        if not isinstance(scalers, list) or len(scalers) != len(self.scalers):
+            raise ValueError(f"the amp state's counters cover "
+                             f"{len(scalers) if isinstance(scalers, list) else '?'} loss "
+                             f"scaler(s) but this run has {len(self.scalers)}")
+        if not with_masters:
+            return
+        masters = extra["master_weights"]
+        if not isinstance(masters, list) or len(masters) != len(self.master_pairs):
+            raise ValueError(f"the amp state holds master weights for "
+                             f"{len(masters) if isinstance(masters, list) else '?'} model(s) but "
+                             f"this run has {len(self.master_pairs)}")
+        for m, (pairs, saved) in enumerate(zip(self.master_pairs, masters)):
+            if not isinstance(saved, list) or len(saved) != len(pairs):
+                held = len(saved) if isinstance(saved, list) else "?"
+                raise ValueError(f"the amp state holds {held} master weights for model {m}, "
+                                 f"which has {len(pairs)}")
+            for (name, _, master), value in zip(pairs, saved):
+                if not isinstance(value, torch.Tensor) or value.shape != master.shape \
+                        or value.dtype != torch.float32 or value.is_meta \
+                        or value.layout != torch.strided:
+                    got = (f"shape {tuple(value.shape)}, dtype {value.dtype}"
+                           f"{', a meta tensor (no data)' if value.is_meta else ''}"
+                           f"{'' if value.layout == torch.strided else f', {value.layout}'}"
+                           if isinstance(value, torch.Tensor) else type(value).__name__)
+                    raise ValueError(f"the saved master weight for {name!r} of model {m} is "
+                                     f"{got}; this run's is shape {tuple(master.shape)}, "
+                                     f"torch.float32")
 
 
 def _refuse_what_is_not_an_amp_state(state_dict: dict) -> None:
@@ -533,6 +641,9 @@ class AmpHandle:
         amp_opt.path = step_path.UnfusedStep(unfused_why) if unfused_why else \
             step_path.FusedStep(opt, run.model_of)
         amp_opt.install()
+        # apex's mark of an initialised optimizer, which engines that call initialize lazily
+        # test with hasattr(optimizer, "_amp_stash"); what it holds is apex_lite's own state.
+        opt._amp_stash = amp_opt
         run.optimizers.append(amp_opt)
 
     # ---- scale_loss -------------------------------------------------------------------------
@@ -639,15 +750,9 @@ class AmpHandle:
         state = OrderedDict() if destination is None else destination
         if run is None or not run.enabled:
             return state
-        for scaler in run.scalers:
-            state[f"loss_scaler{scaler.loss_id}"] = scaler.apex_state()
-        state[STATE_KEY] = {
-            "version": STATE_VERSION,
-            "opt_level": run.properties.opt_level,
-            "loss_scalers": [scaler.extra_state() for scaler in run.scalers],
-            "master_weights": [[master.detach().clone() for _, _, master in pairs]
-                               for pairs in run.master_pairs],
-        }
+        state.update(run.scaler_state())
+        state[STATE_KEY]["master_weights"] = [[master.detach().clone() for _, _, master in pairs]
+                                              for pairs in run.master_pairs]
         return state
 
     def load_state_dict(self, state_dict) -> None:
@@ -663,87 +768,8 @@ class AmpHandle:
                             f"{type(state_dict).__name__}")
         if not run.enabled:
             return
-        _refuse_what_is_not_an_amp_state(state_dict)
-        n = len(run.scalers)
-        expected = {f"loss_scaler{i}" for i in range(n)}
-        scaler_keys = {k for k in state_dict if k != STATE_KEY}
-        if scaler_keys != expected:
-            found = sorted(k for k in scaler_keys if str(k).startswith("loss_scaler"))
-            other = sorted(str(k) for k in scaler_keys if not str(k).startswith("loss_scaler"))
-            if other:
-                raise ValueError(f"this is not an amp state: unexpected keys {other}; "
-                                 f"amp.load_state_dict takes what amp.state_dict() returned")
-            complete = set(found) == {f"loss_scaler{i}" for i in range(len(found))}
-            if found and complete:
-                raise ValueError(f"the amp state holds {len(found)} loss scaler(s) ({found}) but "
-                                 f"this run has num_losses={n}; initialize with "
-                                 f"num_losses={len(found)} to resume it")
-            missing = sorted(expected - set(found))
-            raise ValueError(f"the amp state lacks {', '.join(map(repr, missing))} (it holds "
-                             f"{found or 'no loss scaler'}): amp.state_dict() writes "
-                             f"'loss_scaler0' to 'loss_scaler<num_losses - 1>', so this state was "
-                             f"damaged or edited. Load the amp state the checkpoint saved.")
-        extra = state_dict.get(STATE_KEY)
-        if extra is not None:
-            self._check_extra(run, extra)
-        for scaler in run.scalers:
-            key = f"loss_scaler{scaler.loss_id}"
-            scaler.check_state(key, state_dict[key],
-                               None if extra is None else extra["loss_scalers"][scaler.loss_id])
-        # Everything fits: apply.
-        for scaler in run.scalers:
-            key = f"loss_scaler{scaler.loss_id}"
-            scaler.load_state(state_dict[key],
-                              None if extra is None else extra["loss_scalers"][scaler.loss_id])
-        if extra is not None:
-            with torch.no_grad():
-                for pairs, saved in zip(run.master_pairs, extra["master_weights"]):
-                    for (_, model_param, master), value in zip(pairs, saved):
-                        master.copy_(value)
-                        model_param.copy_(master)
-
-    @staticmethod
-    def _check_extra(run: _Run, extra) -> None:
-        if not isinstance(extra, dict):
-            raise ValueError(f"the amp state's {STATE_KEY!r} entry is a "
-                             f"{type(extra).__name__}, not the dict amp.state_dict() writes; the "
-                             f"checkpoint is damaged or not an amp state")
-        if not isinstance(extra, dict) or extra.get("version") != STATE_VERSION:
-            version = extra.get("version") if isinstance(extra, dict) else None
-            raise ValueError(f"the amp state's {STATE_KEY!r} entry has version {version!r}; this "
-                             f"apex_lite reads version {STATE_VERSION}")
-        if set(extra) != {"version", "opt_level", "loss_scalers", "master_weights"}:
-            raise ValueError(f"the amp state's {STATE_KEY!r} entry has keys {sorted(extra)}, "
-                             f"not those amp.state_dict() writes")
-        if extra["opt_level"] != run.properties.opt_level:
-            raise ValueError(f"the amp state was saved at opt_level {extra['opt_level']!r} but "
-                             f"this run uses {run.properties.opt_level!r}; initialize with "
-                             f"opt_level={extra['opt_level']!r} to resume it")
-        scalers = extra["loss_scalers"]
-        if not isinstance(scalers, list) or len(scalers) != len(run.scalers):
-            raise ValueError(f"the amp state's counters cover "
-                             f"{len(scalers) if isinstance(scalers, list) else '?'} loss "
-                             f"scaler(s) but this run has {len(run.scalers)}")
-        masters = extra["master_weights"]
-        if not isinstance(masters, list) or len(masters) != len(run.master_pairs):
-            raise ValueError(f"the amp state holds master weights for "
-                             f"{len(masters) if isinstance(masters, list) else '?'} model(s) but "
-                             f"this run has {len(run.master_pairs)}")
-        for m, (pairs, saved) in enumerate(zip(run.master_pairs, masters)):
-            if not isinstance(saved, list) or len(saved) != len(pairs):
-                raise ValueError(f"the amp state holds {len(saved) if isinstance(saved, list) else '?'}"
-                                 f" master weights for model {m}, which has {len(pairs)}")
-            for (name, _, master), value in zip(pairs, saved):
-                if not isinstance(value, torch.Tensor) or value.shape != master.shape \
-                        or value.dtype != torch.float32 or value.is_meta \
-                        or value.layout != torch.strided:
-                    got = (f"shape {tuple(value.shape)}, dtype {value.dtype}"
-                           f"{', a meta tensor (no data)' if value.is_meta else ''}"
-                           f"{'' if value.layout == torch.strided else f', {value.layout}'}"
-                           if isinstance(value, torch.Tensor) else type(value).__name__)
-                    raise ValueError(f"the saved master weight for {name!r} of model {m} is "
-                                     f"{got}; this run's is shape {tuple(master.shape)}, "
-                                     f"torch.float32")
+        run.check_state(state_dict, with_masters=True)
+        run.apply_state(state_dict)
 
     # ---- helpers ----------------------------------------------------------------------------
     def loss_scalers(self) -> List[LossScaler]:
@@ -807,6 +833,147 @@ class AmpHandle:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 yield p
+
+
+# ---- amp._amp_state: apex's global state object, as a read-only view ---------------------------
+
+_STATE_API = ("amp.initialize(...) (opt level, loss_scale, verbosity), amp.load_state_dict(...) "
+              "(a saved loss scale) and amp.loss_scalers() (to read the scalers)")
+
+
+class _ReadOnlyView:
+    """Attributes with apex's names over apex_lite's state; writing one raises, naming the API
+    that does it (apex code that set apex's state would otherwise change nothing, silently)."""
+
+    __slots__ = ()
+    _what = "amp._amp_state"
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"{self._what} is a read-only view in apex_lite: {name!r} cannot be "
+                             f"set. Use {_STATE_API} instead.")
+
+    def __delattr__(self, name):
+        self.__setattr__(name, None)
+
+    def __getattr__(self, name):
+        mapped = sorted(n for n, v in vars(type(self)).items()
+                        if isinstance(v, property) or (callable(v) and not n.startswith("__")))
+        if name in mapped:   # a mapped property raised AttributeError: let its message through
+            return vars(type(self))[name].__get__(self)
+        raise AttributeError(f"{self._what} (apex_lite's read-only view of apex's state) has no "
+                             f"attribute {name!r}; it maps {mapped}")
+
+
+class ApexLossScalerView(_ReadOnlyView):
+    """One entry of ``_amp_state.loss_scalers``: apex's ``LossScaler`` reading names over a
+    ``LossScaler`` (reads of a device scale sync, as ``amp.loss_scalers()`` does)."""
+
+    __slots__ = ("_scaler",)
+    _what = "amp._amp_state.loss_scalers[i]"
+
+    def __init__(self, scaler: LossScaler):
+        object.__setattr__(self, "_scaler", scaler)
+
+    def loss_scale(self) -> float:
+        """The current loss scale (apex's method)."""
+        return self._scaler.loss_scale
+
+    @property
+    def dynamic(self) -> bool:
+        return self._scaler.dynamic
+
+    @property
+    def _loss_scale(self) -> float:
+        return self._scaler.loss_scale
+
+    @property
+    def _unskipped(self) -> int:
+        return self._scaler.apex_state()["unskipped"]
+
+    @property
+    def _has_overflow(self) -> bool:
+        """Whether the latest step's gradients overflowed (read after ``step()``, as apex code
+        does: apex's flag of the latest unscale, apex_lite's of the latest skip decision)."""
+        return self._scaler.last_step_skipped
+
+    @property
+    def _min_loss_scale(self):
+        return self._scaler.min_loss_scale
+
+    @property
+    def _max_loss_scale(self) -> float:
+        return self._scaler.max_loss_scale
+
+
+class ApexPropertiesView(_ReadOnlyView):
+    """``_amp_state.opt_properties``: the run's resolved properties under apex's names, with
+    apex's ``options`` dict and ``enabled``."""
+
+    __slots__ = ("_options",)
+    _what = "amp._amp_state.opt_properties"
+
+    def __init__(self, properties: Optional[Properties]):
+        options = {"enabled": properties is not None}
+        if properties is not None:
+            options.update((f.name, getattr(properties, f.name))
+                           for f in dataclasses.fields(properties))
+        object.__setattr__(self, "_options", options)
+
+    @property
+    def options(self) -> dict:
+        return dict(self._options)
+
+    def __getattr__(self, name):
+        options = object.__getattribute__(self, "_options")
+        if name in options:
+            return options[name]
+        raise AttributeError(f"{self._what} has no attribute {name!r}; it has "
+                             f"{sorted(options)}")
+
+
+class AmpStateView(_ReadOnlyView):
+    """``amp._amp_state``: what apex kept in its global ``_amp_state``, read from a handle (the
+    default one; resolved at every read, so that it follows re-initialisation):
+    ``loss_scalers`` (apex's ``loss_scale()`` on each), ``opt_properties``, ``handle`` and
+    ``verbosity``. Read-only: writing raises, naming the public API."""
+
+    __slots__ = ("_handle_of",)
+
+    def __init__(self, handle_of):
+        object.__setattr__(self, "_handle_of", handle_of)
+
+    @property
+    def handle(self) -> "AmpHandle":
+        return self._handle_of()
+
+    @property
+    def loss_scalers(self) -> tuple:
+        run = self.handle._run
+        if run is None or not run.enabled:
+            return ()
+        return tuple(ApexLossScalerView(scaler) for scaler in run.scalers)
+
+    @property
+    def opt_properties(self) -> ApexPropertiesView:
+        run = self.handle._run
+        if run is None:
+            raise AttributeError("amp._amp_state.opt_properties is set by amp.initialize, which "
+                                 "has not been called yet (apex had none before it either)")
+        return ApexPropertiesView(run.properties if run.enabled else None)
+
+    @property
+    def verbosity(self) -> int:
+        run = self.handle._run
+        return getattr(run, "verbosity", 1)   # apex's default before initialize
+
+    def __repr__(self) -> str:
+        run = self.handle._run
+        if run is None:
+            return "<amp._amp_state (apex_lite): before amp.initialize>"
+        if not run.enabled:
+            return "<amp._amp_state (apex_lite): amp disabled>"
+        return (f"<amp._amp_state (apex_lite): {run.properties.opt_level}, "
+                f"{len(run.scalers)} loss scaler(s)>")
 
 
 class _BackwardWatch:

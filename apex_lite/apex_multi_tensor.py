@@ -1,0 +1,374 @@
+"""NVIDIA apex's multi-tensor interface over apex_lite's kernels: ``amp_C``'s ops and
+``apex.multi_tensor_apply.multi_tensor_applier``.
+
+This module is what ``import amp_C`` and ``apex.multi_tensor_apply`` give through apex_lite's
+``apex`` (the ``compat/apex`` distribution, or ``apex_lite.install_apex_alias()``), for code that
+calls apex's fused ops itself (fairseq's and Megatron's gradient clipping, apex-style
+optimizers)::
+
+    from apex.multi_tensor_apply import multi_tensor_applier
+    import amp_C
+    overflow_buf = torch.zeros(1, dtype=torch.int, device=device)
+    norm, _ = multi_tensor_applier(amp_C.multi_tensor_l2norm, overflow_buf, [grads], False)
+
+apex's calling convention: ``op(chunk_size, noop_flag, tensor_lists, *args)``, the lists in
+apex's order, apex's return values. ``chunk_size`` is accepted and not used: the kernels choose
+their own chunks, and no result depends on it (l2norm's only through fp32 rounding).
+
+``noop_flag`` is apex's ``noop_flag_buffer``: a 1-element tensor on the tensors' device, int32
+in apex (any integer, bool or float dtype is accepted). Where an op sets it (scale, axpby and
+l2norm set it to 1 when they meet inf or NaN, and never write 0), an fp32 copy is made on the
+device, handed to the kernel as its ``found_inf`` flag and copied back: two small device ops, no
+host sync; an fp32 flag is used in place. ``multi_tensor_sgd`` reads it (a set flag: nothing is
+written); ``multi_tensor_adam`` and ``multi_tensor_lamb`` ignore it, as apex's kernels do. The
+one host read left is the Python backend's: its optimizer steps read the flag and the step
+counts on the host, a sync on a CUDA device served without native kernels (the native kernels
+read them on the device).
+
+What does not map (each raises, naming it): apex's double-precision tensors; the capturable
+Adam variants (``lr`` and ``step`` as device tensors, fp32 master lists); LAMB with
+``max_grad_norm <= 0``; and the ops of amp_C not listed in ``AMP_C_OPS``. Where results differ
+from apex's by rounding only, the op's docstring says so.
+"""
+from __future__ import annotations
+
+from typing import List, Sequence, Tuple
+
+import torch
+
+from . import multi_tensor
+from .multi_tensor._backend import ops_for
+from .optimizers.update import unit_scalars
+
+__all__ = ["MultiTensorApply", "multi_tensor_applier", "multi_tensor_scale",
+           "multi_tensor_axpby", "multi_tensor_l2norm", "multi_tensor_sgd", "multi_tensor_adam",
+           "multi_tensor_lamb", "AMP_C_OPS"]
+
+AMP_C_OPS = ("multi_tensor_scale", "multi_tensor_axpby", "multi_tensor_l2norm",
+             "multi_tensor_sgd", "multi_tensor_adam", "multi_tensor_lamb")
+
+_STEPPED = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class MultiTensorApply:
+    """apex's ``MultiTensorApply``: ``applier(op, noop_flag_buffer, tensor_lists, *args)`` calls
+    ``op(chunk_size, noop_flag_buffer, tensor_lists, *args)``. ``available`` is True: apex_lite's
+    kernels serve every device (native where built, torch's foreach ops elsewhere)."""
+
+    available = True
+    warned = False
+
+    def __init__(self, chunk_size: int):
+        self.chunk_size = chunk_size
+
+    def check_avail(self) -> None:
+        """apex raised here when amp_C was not built; apex_lite always has its kernels."""
+
+    def __call__(self, op, noop_flag_buffer, tensor_lists, *args):
+        return op(self.chunk_size, noop_flag_buffer, tensor_lists, *args)
+
+
+multi_tensor_applier = MultiTensorApply(2048 * 32)
+
+
+# ---- arguments ----------------------------------------------------------------------------------
+
+def _lists(op: str, tensor_lists, layouts: Sequence[str]) -> List[List[torch.Tensor]]:
+    """``tensor_lists`` as lists, after checking their number against apex's layouts."""
+    counts = {len(layout.split(",")) for layout in layouts}
+    if not isinstance(tensor_lists, (list, tuple)) or len(tensor_lists) not in counts:
+        got = (f"{len(tensor_lists)} lists" if isinstance(tensor_lists, (list, tuple))
+               else f"a {type(tensor_lists).__name__}")
+        raise ValueError(f"amp_C.{op} takes the tensor lists [{'] or ['.join(layouts)}], got "
+                         f"{got}")
+    for i, tensors in enumerate(tensor_lists):
+        if not isinstance(tensors, (list, tuple)):
+            raise TypeError(f"amp_C.{op}: tensor_lists[{i}] is a {type(tensors).__name__}, not a "
+                            f"list of tensors")
+    return [list(tensors) for tensors in tensor_lists]
+
+
+def _check_aligned(op: str, names: Sequence[str], lists: List[List[torch.Tensor]]) -> None:
+    """One tensor per parameter in every list (``lists[1]`` holds the parameters), on the
+    parameters' device, of their shape, and fp32, fp16 or bf16 (state that is not fp32 is
+    staged through fp32)."""
+    params = lists[1]
+    for name, tensors in zip(names, lists):
+        if len(tensors) != len(params):
+            raise ValueError(f"amp_C.{op}: {name} has {len(tensors)} tensors but params has "
+                             f"{len(params)}; apex's lists are aligned, one entry per parameter")
+    device = params[0].device if params else None
+    for index, (name, tensors) in enumerate(zip(names, lists)):
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"amp_C.{op}: {name}[{i}] is a {type(t).__name__}, not a tensor")
+            if t.dtype not in _STEPPED:
+                what = ("apex's double-precision path is not provided"
+                        if t.dtype == torch.float64 else "apex_lite steps float32, float16 and "
+                        "bfloat16 tensors")
+                raise TypeError(f"amp_C.{op}: {name}[{i}] is {t.dtype}; {what}")
+            if t.device != device:
+                raise ValueError(f"amp_C.{op}: {name}[{i}] is on {t.device} but params[0] is on "
+                                 f"{device}; call once per device")
+            if t.shape != params[i].shape:
+                raise ValueError(f"amp_C.{op}: {name}[{i}] has shape {tuple(t.shape)} but "
+                                 f"params[{i}] has {tuple(params[i].shape)}")
+
+
+def _check_noop(op: str, noop_flag, device: torch.device) -> None:
+    if not isinstance(noop_flag, torch.Tensor) or noop_flag.numel() != 1:
+        got = (f"{noop_flag.numel()} elements" if isinstance(noop_flag, torch.Tensor)
+               else type(noop_flag).__name__)
+        raise TypeError(f"amp_C.{op}: noop_flag must be a 1-element tensor, as apex's "
+                        f"torch.zeros(1, dtype=torch.int, device=...); got {got}")
+    if noop_flag.is_complex():
+        raise TypeError(f"amp_C.{op}: noop_flag is {noop_flag.dtype}; use an integer (apex: "
+                        f"torch.int), bool or float tensor")
+    if noop_flag.device != device:
+        raise ValueError(f"amp_C.{op}: noop_flag is on {noop_flag.device} but the tensors are "
+                         f"on {device}; create it on their device, as apex does "
+                         f"(torch.zeros(1, dtype=torch.int, device={str(device)!r}))")
+
+
+def _found_inf(op: str, noop_flag, device: torch.device) -> torch.Tensor:
+    """``noop_flag`` as the 1-element fp32 flag the kernels take: itself when it is fp32, else
+    an fp32 copy on the device (no host sync); ``_set_noop`` copies it back."""
+    _check_noop(op, noop_flag, device)
+    if noop_flag.dtype == torch.float32:
+        return noop_flag.view(1)
+    return noop_flag.reshape(1).to(torch.float32)
+
+
+def _set_noop(noop_flag: torch.Tensor, found_inf: torch.Tensor) -> None:
+    if noop_flag.dtype != torch.float32:
+        noop_flag.copy_(found_inf.view(noop_flag.shape))
+
+
+def _flag(found_inf: torch.Tensor, bad: torch.Tensor) -> None:
+    """Set ``found_inf`` where the bool ``bad`` is true; never writes 0; no host sync."""
+    torch.maximum(found_inf, bad.to(torch.float32).reshape(1), out=found_inf)
+
+
+def _fp32_state(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+    """The kernels keep optimizer state in fp32; apex's lists may hold half state (of half
+    parameters): fp32 copies of those, written back rounded once by ``_write_back``."""
+    return [t if t.dtype == torch.float32 else t.float() for t in tensors]
+
+
+def _write_back(tensors: List[torch.Tensor], staged: List[torch.Tensor]) -> None:
+    for t, s in zip(tensors, staged):
+        if s is not t:
+            t.copy_(s)
+
+
+def _number(op: str, name: str, value, kind=float):
+    if isinstance(value, torch.Tensor):
+        raise TypeError(f"amp_C.{op}: {name} is a tensor; apex_lite provides apex's "
+                        f"non-capturable form, where {name} is a Python number (the capturable "
+                        f"variants, with lr and step on the device, are not provided: use "
+                        f"apex_lite.optimizers.FusedAdam)")
+    return kind(value)
+
+
+def _step_counts(op: str, step, count: int, device: torch.device) -> List[torch.Tensor]:
+    """apex passes the step being taken (1 for the first) for all tensors; the kernels take one
+    count per parameter and add 1 before using it: views of one buffer holding ``step - 1``."""
+    step = _number(op, "step", step, int)
+    if step < 1:
+        raise ValueError(f"amp_C.{op}: step={step}; apex passes the number of the step being "
+                         f"taken, 1 for the first (its bias correction divides by 1 - beta**step)")
+    return list(torch.full((count,), float(step - 1), dtype=torch.float32,
+                           device=device).unbind(0))
+
+
+class _AdamFamilyCall:
+    """The checked arguments of apex's Adam and LAMB ops, as the kernels take them: the lists
+    ``[grads, params, exp_avgs, exp_avg_sqs]``, fp32 moments (``write_back`` rounds them into
+    apex's half ones), one step count per parameter, ``lr`` a number."""
+
+    def __init__(self, op: str, noop_flag, tensor_lists, lr, step, mode):
+        names = ["grads", "params", "exp_avgs", "exp_avg_sqs"]
+        lists = _lists(op, tensor_lists, [", ".join(names)])
+        _check_aligned(op, names, lists)
+        if mode not in (0, 1):
+            raise ValueError(f"amp_C.{op}: mode={mode!r}; apex's modes are 0 (L2 "
+                             f"regularisation, Adam) and 1 (decoupled weight decay, AdamW)")
+        self.grads, self.params, self.exp_avgs, self.exp_avg_sqs = lists
+        if not self.params:
+            return
+        self.device = self.params[0].device
+        _check_noop(op, noop_flag, self.device)
+        self.steps = _step_counts(op, step, len(self.params), self.device)
+        self.lr = _number(op, "lr", lr)
+        self.m, self.v = _fp32_state(self.exp_avgs), _fp32_state(self.exp_avg_sqs)
+
+    def write_back(self) -> None:
+        _write_back(self.exp_avgs, self.m)
+        _write_back(self.exp_avg_sqs, self.v)
+
+
+# ---- the ops --------------------------------------------------------------------------------
+
+def multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale) -> None:
+    """apex's ``amp_C.multi_tensor_scale``: lists ``[inputs, outputs]``, ``out = in * scale`` in
+    fp32 rounded once (outputs may be the inputs); sets ``noop_flag`` when an input holds inf or
+    NaN."""
+    inputs, outputs = _lists("multi_tensor_scale", tensor_lists, ["inputs, outputs"])
+    if not inputs and not outputs:
+        return
+    device = (inputs or outputs)[0].device
+    found_inf = _found_inf("multi_tensor_scale", noop_flag, device)
+    multi_tensor.scale(inputs, outputs, scale, found_inf)
+    _set_noop(noop_flag, found_inf)
+
+
+def multi_tensor_axpby(chunk_size, noop_flag, tensor_lists, a, b, arg_to_check) -> None:
+    """apex's ``amp_C.multi_tensor_axpby``: lists ``[xs, ys, outputs]``, ``out = a*x + b*y``;
+    sets ``noop_flag`` when a checked input holds inf or NaN: ``arg_to_check`` -1 both, 0 the
+    xs, 1 the ys (checked before anything is written)."""
+    op = "multi_tensor_axpby"
+    xs, ys, outputs = _lists(op, tensor_lists, ["xs, ys, outputs"])
+    if arg_to_check not in (-1, 0, 1):
+        raise ValueError(f"amp_C.{op}: arg_to_check={arg_to_check!r}; apex's values are -1 "
+                         f"(check xs and ys), 0 (xs) and 1 (ys)")
+    if not xs and not ys and not outputs:
+        return
+    device = (xs or ys or outputs)[0].device
+    found_inf = _found_inf(op, noop_flag, device)
+    if arg_to_check == -1:
+        multi_tensor.axpby(xs, ys, outputs, a, b, found_inf)
+    else:
+        checked = xs if arg_to_check == 0 else ys
+        if checked:
+            _flag(found_inf, multi_tensor.nonfinite_flags(checked).any())
+        # The kernel checks both lists; its flag is not apex's here.
+        multi_tensor.axpby(xs, ys, outputs, a, b,
+                           torch.zeros(1, dtype=torch.float32, device=device))
+    _set_noop(noop_flag, found_inf)
+
+
+def multi_tensor_l2norm(chunk_size, noop_flag, tensor_lists, per_tensor=None
+                        ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """apex's ``amp_C.multi_tensor_l2norm``: lists ``[tensors]``; returns ``(total_norm,
+    per_tensor_norms)``, fp32 on the tensors' device, shapes [1] and [len(tensors)] (or [0]
+    when ``per_tensor`` is not True), accumulated in fp32. Sets ``noop_flag`` when the norm is
+    inf or NaN (apex: when one chunk's sum of squares is)."""
+    op = "multi_tensor_l2norm"
+    (tensors,) = _lists(op, tensor_lists, ["tensors"])
+    if not tensors:
+        device = noop_flag.device if isinstance(noop_flag, torch.Tensor) else None
+        return (torch.zeros(1, dtype=torch.float32, device=device),
+                torch.zeros(0, dtype=torch.float32, device=device))
+    if not isinstance(tensors[0], torch.Tensor):
+        raise TypeError(f"amp_C.{op}: tensor_lists[0][0] is a {type(tensors[0]).__name__}, not "
+                        f"a tensor")
+    found_inf = _found_inf(op, noop_flag, tensors[0].device)
+    if per_tensor:
+        total, norms = multi_tensor.l2norm(tensors, per_tensor=True)
+    else:
+        total = multi_tensor.l2norm(tensors)
+        norms = total.new_zeros(0)
+    _flag(found_inf, ~torch.isfinite(total))
+    _set_noop(noop_flag, found_inf)
+    return total, norms
+
+
+def multi_tensor_sgd(chunk_size, noop_flag, tensor_lists, wd, momentum, dampening, lr, nesterov,
+                     first_run, wd_after_momentum, scale=1.0) -> None:
+    """apex's ``amp_C.multi_tensor_sgd`` (apex's FusedSGD): lists ``[grads, params,
+    momentum_buffers]`` or ``[grads, params, momentum_buffers, model_params]`` (the last
+    receives the updated values rounded to its dtype); ``scale`` multiplies the gradients (apex
+    passes 1/loss_scale). A set ``noop_flag`` skips the step, as apex's kernel does. The update
+    is apex's, in fp32, each parameter rounded once (``apex_lite.optimizers.FusedSGD``'s op);
+    half momentum buffers are updated in fp32 and rounded once."""
+    op = "multi_tensor_sgd"
+    lists = _lists(op, tensor_lists, ["grads, params, momentum_buffers",
+                                      "grads, params, momentum_buffers, model_params"])
+    names = ["grads", "params", "momentum_buffers", "model_params"]
+    _check_aligned(op, names, lists)
+    grads, params, buffers = lists[:3]
+    model_params = lists[3] if len(lists) == 4 else []
+    if not params:
+        return
+    device = params[0].device
+    found_inf = _found_inf(op, noop_flag, device)
+    momentum = float(momentum)
+    staged = _fp32_state(buffers) if momentum != 0.0 else []
+    inv_scale = torch.full((1,), float(scale), dtype=torch.float32, device=device)
+    ops_for(device).fused_sgd_(params, grads, staged, model_params, inv_scale, found_inf,
+                               float(lr), momentum, float(dampening), float(wd), bool(nesterov),
+                               bool(wd_after_momentum), bool(first_run))
+    _write_back(buffers, staged)
+
+
+def multi_tensor_adam(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps, step, mode,
+                      bias_correction, weight_decay) -> None:
+    """apex's ``amp_C.multi_tensor_adam`` (apex's FusedAdam): lists ``[grads, params,
+    exp_avgs, exp_avg_sqs]``; ``step`` the number of the step being taken (the same for every
+    tensor); ``mode`` 0 Adam (L2 in the gradient), 1 AdamW (decoupled decay). ``noop_flag`` is
+    not read, as in apex. The update is apex's in fp32, rounded once per tensor; apex's CUDA
+    kernel may fuse multiply-adds, so results agree to fp32 rounding, not bit for bit."""
+    op = "multi_tensor_adam"
+    call = _AdamFamilyCall(op, noop_flag, tensor_lists, lr, step, mode)
+    if call.params:
+        inv_scale, found_inf = unit_scalars(call.device)   # apex's kernel reads neither
+        ops_for(call.device).fused_adam_(
+            call.params, call.grads, call.m, call.v, [], call.steps, inv_scale, found_inf,
+            call.lr, float(beta1), float(beta2), float(eps), float(weight_decay), mode == 1,
+            bool(bias_correction))
+        call.write_back()
+
+
+def multi_tensor_lamb(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps, step,
+                      bias_correction, weight_decay, grad_averaging, mode, global_grad_norm,
+                      max_grad_norm, use_nvlamb=False) -> None:
+    """apex's ``amp_C.multi_tensor_lamb`` (apex's FusedLAMB): lists ``[grads, params, exp_avgs,
+    exp_avg_sqs]``; the gradients are divided by ``global_grad_norm / max_grad_norm`` when the
+    norm exceeds ``max_grad_norm``; per-tensor trust ratios from the fp32 parameter and update
+    norms (all tensors when ``use_nvlamb``, else those with weight decay). ``noop_flag`` is not
+    read, as in apex. Differences from apex: the gradients are left as they are (apex's kernel
+    overwrites them with the update), and the update of half tensors stays in fp32 until the
+    parameter is written (apex rounds it to half first), so half parameters agree with apex to
+    half rounding. ``max_grad_norm <= 0`` is refused: apex's kernel then divides every gradient
+    by ``norm / 0``."""
+    op = "multi_tensor_lamb"
+    max_grad_norm = _number(op, "max_grad_norm", max_grad_norm)
+    if not max_grad_norm > 0.0:
+        raise ValueError(f"amp_C.{op}: max_grad_norm={max_grad_norm}; apex's kernel divides "
+                         f"the gradients by global_grad_norm / max_grad_norm, which is inf (or "
+                         f"NaN) here, and apex_lite's does not clip at all: this does not map. "
+                         f"Pass a positive max_grad_norm (apex's FusedLAMB default is 1.0), or "
+                         f"use apex_lite.optimizers.FusedLAMB(max_grad_norm=0) to turn clipping "
+                         f"off.")
+    call = _AdamFamilyCall(op, noop_flag, tensor_lists, lr, step, mode)
+    if not call.params:
+        return
+    if not isinstance(global_grad_norm, torch.Tensor) or global_grad_norm.numel() != 1 \
+            or global_grad_norm.device != call.device:
+        raise TypeError(f"amp_C.{op}: global_grad_norm must be the 1-element norm tensor on "
+                        f"{call.device} that multi_tensor_l2norm returned")
+    inv_scale, found_inf = unit_scalars(call.device)
+    ops_for(call.device).fused_lamb_(
+        call.params, call.grads, call.m, call.v, [], call.steps, inv_scale, found_inf,
+        global_grad_norm.reshape(1).to(torch.float32), call.lr, float(beta1), float(beta2),
+        float(eps), float(weight_decay), mode == 1, bool(bias_correction), bool(grad_averaging),
+        max_grad_norm, bool(use_nvlamb))
+    call.write_back()
+
+
+# What code that probes amp_C for other ops (try/except, hasattr) should learn.
+_NOT_PROVIDED_HINT = {
+    "multi_tensor_adam_capturable": "apex_lite.optimizers.FusedAdam",
+    "multi_tensor_adam_capturable_master": "apex_lite.optimizers.FusedAdam under amp at O2",
+    "multi_tensor_l2norm_mp": "multi_tensor_l2norm (it accumulates in fp32 whatever the dtype)",
+    "multi_tensor_l2norm_scale": "multi_tensor_l2norm, then multi_tensor_scale",
+    "multi_tensor_lamb_mp": "apex_lite.optimizers.FusedLAMB under amp at O2",
+}
+
+
+def __getattr__(name):
+    if name.startswith("multi_tensor_"):
+        hint = _NOT_PROVIDED_HINT.get(name)
+        raise AttributeError(f"amp_C.{name} is not provided by apex_lite, whose amp_C has "
+                             f"{', '.join(AMP_C_OPS)}" + (f"; use {hint}" if hint else ""))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
