@@ -1,7 +1,8 @@
 """Sharded training on PyTorch FSDP2: apex_lite O2 against FSDP2's own mixed precision.
 
-A stack of MLP blocks (a few hundred MB of fp32 parameters by default), each block a
-``fully_shard`` unit and the root a unit, AdamW, 2 ranks on gloo (CPU). Each variant runs in
+examples/fsdp.py's model, a stack of pre-norm MLP blocks (a few hundred MB of fp32 parameters
+by default), each block a ``fully_shard`` unit and the root a unit, AdamW, 2 ranks on gloo
+(CPU). Each variant runs in
 its own pair of processes (peak memory is a process's):
 
   fp32            FSDP2 without a policy: fp32 compute, torch.optim.AdamW
@@ -32,51 +33,32 @@ quoting them.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
-import resource
 import socket
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
+
+# bench/ is on the path when this file runs as a script: o2_step.py's resident-memory probes.
+from o2_step import _peak_rss_bytes, _reset_peak, _status_bytes
 
 VARIANTS = ["fp32", "torch mp", "apex_lite O2"]
 BASELINE = "torch mp"
 
 
-def _peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux: KiB
-
-
-def _status_bytes(field: str) -> int:
-    """VmHWM (the peak since the last reset) of this process, from /proc (Linux)."""
-    with open("/proc/self/status") as f:
-        line = next(l for l in f if l.startswith(field + ":"))
-    return int(line.split()[1]) * 1024
-
-
-def _reset_peak() -> bool:
-    """Start a new peak resident-memory count (Linux >= 4.0); False where that is not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-class Block(torch.nn.Module):
-    def __init__(self, width: int):
-        super().__init__()
-        self.norm = torch.nn.LayerNorm(width)
-        self.fc1 = torch.nn.Linear(width, 4 * width)
-        self.fc2 = torch.nn.Linear(4 * width, width)
-
-    def forward(self, x):
-        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+def _example_model(width: int, blocks: int) -> torch.nn.Module:
+    """examples/fsdp.py's ``Net``: what the benchmark times is the example's model."""
+    path = Path(__file__).resolve().parent.parent / "examples" / "fsdp.py"
+    spec = importlib.util.spec_from_file_location("fsdp_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    return example.Net(width, blocks)
 
 
 def run_rank(name: str, args) -> dict:
@@ -91,12 +73,11 @@ def run_rank(name: str, args) -> dict:
     rank = dist.get_rank()
     base_rss = _peak_rss_bytes()
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[Block(args.width) for _ in range(args.blocks)],
-                                torch.nn.Linear(args.width, 1))
+    model = _example_model(args.width, args.blocks)
     half = torch.bfloat16
     policy = MixedPrecisionPolicy() if name == "fp32" else \
         MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)
-    for block in model[:-1]:
+    for block in model.blocks:
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)

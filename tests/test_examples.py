@@ -44,6 +44,7 @@ SCRIPTS = {
     "train_smoke": ["bench/train.py", "--smoke", "--threads", "1"],   # + --json --plot, per run
     "optimizers": ["bench/optimizers.py", "--smoke", "--threads", "1"],
     "o2_step": ["bench/o2_step.py", "--smoke", "--threads", "1"],
+    "fsdp_bench": ["bench/fsdp.py", "--smoke", "--variants", "torch mp,apex_lite O2"],
 }
 # A stand-in for matplotlib that fails to import, put first on these scripts' path.
 WITHOUT_MATPLOTLIB = {"amp_recipe_no_matplotlib", "train_no_matplotlib"}
@@ -265,6 +266,14 @@ def test_o2_step_smoke(runs):
     assert re.search(r"^O2 AdamW\s.*fused step$", stdout, re.MULTILINE)
     assert re.search(r"^O2 SGD unfused\s.*unfused step \(fused_step=False\)$", stdout,
                      re.MULTILINE)
+
+
+def test_fsdp_bench_smoke(runs):
+    stdout, _ = _ok(runs, "fsdp_bench")
+    for variant in ("torch mp", "apex_lite O2"):
+        ms, ratio, peak, peak_ratio, steps_peak, steps_ratio = _row(stdout, variant, 6)
+        assert ms > 0 and ratio > 0 and peak > 0 and steps_peak > 0
+    assert re.search(r"^apex_lite O2\s.*fused step$", stdout, re.MULTILINE)
 
 
 def test_train_smoke_table_and_json(runs):

@@ -53,6 +53,7 @@ post-accumulate-grad hooks that catch it elsewhere never fire on them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import sys
@@ -65,12 +66,12 @@ from ..multi_tensor._backend import ops_for
 from ..optimizers.fused_lamb import FusedLAMB
 from ..optimizers.update import dtensor_class, local_shards
 from . import casting
+from .opt_levels import HALF_DTYPES
 
 __all__ = ["Sharding", "inspect", "is_sharded", "local_shards", "squared_norm",
            "clip_grad_norm_", "sharded_after_initialize", "newly_sharded",
            "registered_unsharded"]
 
-HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def is_sharded(tensor) -> bool:
@@ -356,28 +357,12 @@ class Sharding:
             casting.wrap_forward(module, input_dtype=torch.float32, output_dtype=dtype)
 
     # ---- amp.report --------------------------------------------------------------------------
-    def report_lines(self, held_bytes: int) -> List[str]:
-        """This rank's memory: ``held_bytes`` (its shards of parameters, gradients and optimizer
-        state, counted by the report) plus the unsharded parameters of the unit computing."""
+    def largest_unit(self) -> Tuple[str, int, List[str]]:
+        """(label, bytes) of the unit whose all-gathered parameters are the largest, and the
+        dtypes units compute in: what a rank holds beyond its shards while a unit computes."""
         largest = max(self.units, key=Unit.unsharded_bytes)
-        dtypes = ", ".join(sorted({str(u.compute_dtype()) for u in self.units}))
-        return [
-            f"FSDP2: {len(self.units)} fully_shard unit(s) over {self.world_size()} rank(s); "
-            f"the sizes above are this rank's shards",
-            f"this rank holds {_size(held_bytes)}, plus the parameters of the unit being "
-            f"computed, all-gathered in {dtypes}: at most {_size(largest.unsharded_bytes())} "
-            f"({_unit_label(largest.name)}; units left unsharded after forward, such as the "
-            f"root by default, keep theirs until their backward, and prefetching can hold the "
-            f"next unit too)",
-        ]
-
-
-def _size(nbytes: float) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if nbytes < 1024:
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024
-    return f"{nbytes:.1f} GiB"
+        dtypes = sorted({str(u.compute_dtype()) for u in self.units})
+        return _unit_label(largest.name), largest.unsharded_bytes(), dtypes
 
 
 def inspect(models: Sequence[torch.nn.Module]) -> Optional[Sharding]:
@@ -497,15 +482,12 @@ def squared_norm(tensors: List[torch.Tensor]) -> torch.Tensor:
     """The sum of squares of the whole ``tensors`` (fp32, 1 element, on their device): a
     DTensor's local shards summed over its mesh (one all-reduce per group of shards), a plain
     tensor counted once. Every rank must call it with the same tensors."""
-    device = tensors[0].device
-    ops = ops_for(device)
+    ops = ops_for(tensors[0].device)
     plain, groups = _by_shard_groups(tensors)
-    total = torch.zeros(1, dtype=torch.float32, device=device)
-    if plain:
-        total = total + ops.l2norm(plain, False)[0].square()
-    for key, shards in groups.items():
-        total = total + _sum_over_shards(ops.l2norm(shards, False)[0].square(), key)
-    return total
+    parts = [ops.l2norm(plain, False)[0].square()] if plain else []
+    parts += [_sum_over_shards(ops.l2norm(shards, False)[0].square(), key)
+              for key, shards in groups.items()]
+    return functools.reduce(torch.add, parts)
 
 
 def _global_norm(tensors: List[torch.Tensor], norm_type: float) -> torch.Tensor:

@@ -126,5 +126,19 @@ def build_report(run, models: Sequence[torch.nn.Module],
         kept_fp32=kept,
         backends={d: multi_tensor.backend(torch.device(d)) for d in devices},
         not_multiple_of_8=_dimension_lines(models),
-        sharding=[] if run.sharding is None else run.sharding.report_lines(held),
+        sharding=[] if run.sharding is None else _sharding_lines(run.sharding, held),
     )
+
+
+def _sharding_lines(sharding, held: int) -> List[str]:
+    """This rank's memory on FSDP2: ``held`` (its shards of parameters, gradients and optimizer
+    state) plus the unsharded parameters of the unit computing."""
+    label, nbytes, dtypes = sharding.largest_unit()
+    return [
+        f"FSDP2: {len(sharding.units)} fully_shard unit(s) over {sharding.world_size()} "
+        f"rank(s); the sizes above are this rank's shards",
+        f"this rank holds {_size(held)}, plus the parameters of the unit being computed, "
+        f"all-gathered in {', '.join(dtypes)}: at most {_size(nbytes)} ({label}; units left "
+        f"unsharded after forward, such as the root by default, keep theirs until their "
+        f"backward, and prefetching can hold the next unit too)",
+    ]
