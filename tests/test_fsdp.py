@@ -212,6 +212,12 @@ def test_refusals_name_the_problem_and_the_fix(runs, key, expected):
             assert text in message, message
 
 
+def test_fused_adam_steps_shards_without_amp(runs):
+    # The fused op on each rank's local shards, as torch's AdamW on the DTensors: fp32 rounding.
+    for result in runs["main"]:
+        assert result["fused_adam_without_amp"] <= 1e-6
+
+
 def test_dcp_resume_in_new_processes_is_bitwise(runs):
     main, resume = runs["main"], runs["resume"]
     for rank in range(2):

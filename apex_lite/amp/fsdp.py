@@ -72,6 +72,7 @@ __all__ = ["Sharding", "inspect", "is_sharded", "local_shards", "squared_norm",
            "clip_grad_norm_", "sharded_after_initialize", "newly_sharded",
            "registered_unsharded"]
 
+_KEEP_OPTIONS = "keep_batchnorm_fp32 / keep_fp32_modules"
 
 
 def is_sharded(tensor) -> bool:
@@ -168,8 +169,8 @@ class Sharding:
         return self.mesh.size()
 
     # ---- validation (before initialize changes anything) ---------------------------------
-    def check(self, properties, kept: Sequence[Sequence[Tuple[str, torch.nn.Module]]],
-              keep_hint: str) -> None:
+    def check(self, properties,
+              kept: Sequence[Sequence[Tuple[str, torch.nn.Module]]]) -> None:
         """Raise when a unit's policy does not give the opt level's dtypes (see the module
         doc), when a kept fp32 module shares a unit with half parameters, or when O2 finds units
         without a policy (the error shows the fully_shard calls to write)."""
@@ -183,7 +184,7 @@ class Sharding:
             flags = [id(p) in kept_ids for _, p in unit.params]
             if any(flags) and not all(flags):
                 raise ValueError(self._mixed_unit_message(unit, kept[unit.model_index],
-                                                          properties, keep_hint))
+                                                          properties))
             is_kept = all(flags)
             want = properties.cast_model_type if casts_half and not is_kept else torch.float32
             # The parameters' dtype once amp has cast them: half only without master weights
@@ -284,28 +285,27 @@ class Sharding:
         where = self._where(unit)
         if is_kept:
             return (f"amp.initialize(opt_level={level!r}): {where} holds modules kept in fp32 "
-                    f"(keep_batchnorm_fp32 / keep_fp32_modules), but its MixedPrecisionPolicy "
+                    f"({_KEEP_OPTIONS}), but its MixedPrecisionPolicy "
                     f"computes them in {computes}. Give it no param_dtype: "
                     f"{self._call(unit, '')}.")
-        if level in ("O0", "O1") or want == torch.float32:
-            instead = ("O2 gives half compute with fp32 master weights on FSDP2 (this policy "
-                       "plus loss scaling)" if level != "O3" else "")
+        if want == torch.float32:   # O0, O1, or a model left in fp32
             return (f"amp.initialize(opt_level={level!r}): {where} computes in {computes} "
                     f"(MixedPrecisionPolicy(param_dtype={computes})), but {level} computes in "
-                    f"float32{' under autocast' if level == 'O1' else ''}. Use "
-                    f"opt_level='O2' for this policy ({instead}), or remove param_dtype from "
-                    f"its fully_shard call.")
+                    f"float32{' under autocast' if level == 'O1' else ''}. For half compute "
+                    f"with fp32 master weights on FSDP2, use opt_level='O2' with this policy; "
+                    f"or remove param_dtype from its fully_shard call.")
         if properties.master_weights:
             fix = f"{self._policy_line(half)}; {self._call(unit, 'mp_policy')}"
         else:
             fix = (f"{self._call(unit, '')} (amp casts the shards to {half}) or "
                    f"mp_policy=MixedPrecisionPolicy(param_dtype={half})")
-        return (f"amp.initialize(opt_level={level!r}): {where} computes in "
-                f"{computes or torch.float32}, but {level} computes in {want} (half_dtype). "
-                f"Pass the policy of the level: {fix}; or choose half_dtype={computes} in "
-                f"amp.initialize.")
+        other = f"; or choose half_dtype={computes} in amp.initialize" \
+            if computes in HALF_DTYPES else ""
+        return (f"amp.initialize(opt_level={level!r}): {where} computes in {computes}, but "
+                f"{level} computes in {want} (half_dtype). Pass the policy of the level: "
+                f"{fix}{other}.")
 
-    def _mixed_unit_message(self, unit: Unit, kept, properties, keep_hint: str) -> str:
+    def _mixed_unit_message(self, unit: Unit, kept, properties) -> str:
         unit_ids = {id(p) for _, p in unit.params}
         inside = [name for name, module in kept
                   if any(id(p) in unit_ids for p in module.parameters())]
@@ -316,7 +316,7 @@ class Sharding:
         return (
             f"amp.initialize(opt_level={properties.opt_level!r}): "
             f"{', '.join(map(repr, inside))} {'is' if len(inside) == 1 else 'are'} kept in fp32 "
-            f"({keep_hint}), but {self._where(unit)} shards their parameters with others that "
+            f"({_KEEP_OPTIONS}), but {self._where(unit)} shards their parameters with others that "
             f"compute in {properties.half_dtype}; FSDP2 computes all parameters of a unit in "
             f"one dtype. Make each kept module a unit of its own, computing in fp32 (no "
             f"param_dtype), before its parent's call:\n{calls}\n    {parent}\n"
@@ -351,15 +351,16 @@ class Sharding:
                     if buf is not None:
                         module._buffers[name] = to_half(buf)
                 for param in module._parameters.values():
-                    if param is not None and to_half(param) is not param:
-                        param.data = param.data.to(dtype)
+                    cast = None if param is None else to_half(param)
+                    if cast is not param:
+                        param.data = cast   # the Parameter object stays
         for _, module in kept:
             casting.wrap_forward(module, input_dtype=torch.float32, output_dtype=dtype)
 
     # ---- amp.report --------------------------------------------------------------------------
     def largest_unit(self) -> Tuple[str, int, List[str]]:
-        """(label, bytes) of the unit whose all-gathered parameters are the largest, and the
-        dtypes units compute in: what a rank holds beyond its shards while a unit computes."""
+        """The label and bytes of the unit whose all-gathered parameters are the largest (what a
+        rank holds beyond its shards while a unit computes), and the dtypes units compute in."""
         largest = max(self.units, key=Unit.unsharded_bytes)
         dtypes = sorted({str(u.compute_dtype()) for u in self.units})
         return _unit_label(largest.name), largest.unsharded_bytes(), dtypes

@@ -512,7 +512,7 @@ class AmpHandle:
             kept = [casting.modules_kept_fp32(m, bool(properties.keep_batchnorm_fp32),
                                               keep_fp32_modules) if casts_to_half else []
                     for m in model_list]
-            sharding.check(properties, kept, "keep_batchnorm_fp32 / keep_fp32_modules")
+            sharding.check(properties, kept)
             sharding.check_optimizers(opt_list, {id(p) for m in model_list
                                                  for p in m.parameters()})
         if len({id(o) for o in opt_list}) != len(opt_list):

@@ -118,12 +118,13 @@ def policy_for(level: str, half=torch.bfloat16):
     return MixedPrecisionPolicy()
 
 
-def shard(model: Net, layout: str, policy) -> None:
+def shard(model: Net, layout: str, policy=None) -> None:
     """fully_shard as the layout says: "nested" (a unit inside each block's unit, then the
     root), "unsharded_after_forward" (blocks keep their parameters between forward and
     backward), "partial" (one block a unit, the rest in the root's), "no_root" (blocks and head
     are units; the frozen stem stays a plain module, and there is no root unit)."""
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    policy = policy or MixedPrecisionPolicy()
     if layout == "nested":
         for block in model.blocks:
             fully_shard(block.fc1, mp_policy=policy)
@@ -358,6 +359,26 @@ def kept_batchnorm(amp) -> dict:
     return {"dtypes": seen, "record": record, "report": report}
 
 
+def fused_adam_without_amp() -> float:
+    """apex_lite's FusedAdam stepping FSDP2 shards on its own (no amp), against torch's AdamW on
+    the same sharded model: the largest difference of the weights after 3 steps."""
+    from torch.distributed.fsdp import fully_shard
+    from apex_lite.optimizers import FusedAdam
+    finals = []
+    for make in (lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01),
+                 lambda params: FusedAdam(params, lr=1e-2, weight_decay=0.01)):
+        model = build(Case("fused_adam", "O0", "nested"))
+        shard(model, "nested", None)
+        optimizer = make(model.parameters())
+        for step in range(3):
+            x, y = batch(step, dist_rank(), dist_world())
+            optimizer.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            optimizer.step()
+        finals.append([full(p) for p in model.parameters()])
+    return max(float((a - b).abs().max()) for a, b in zip(*finals))
+
+
 def dist_rank() -> int:
     import torch.distributed as dist
     return dist.get_rank()
@@ -397,6 +418,7 @@ def job_main(amp, out: str, rank: int) -> dict:
         results["cases"][case.name] = record
     results["refusals"] = refusals(amp)
     results["kept_batchnorm"] = kept_batchnorm(amp)
+    results["fused_adam_without_amp"] = fused_adam_without_amp()
 
     # A DCP checkpoint at step CHECKPOINT_AT, then on to the end without stopping.
     handle = amp.AmpHandle()
