@@ -2,8 +2,10 @@
 
 One launch of two ranks (tests/workers/fsdp_worker.py --job main) trains every case of
 ``CASES`` (each opt level; nested units, units kept unsharded after forward, a partly sharded
-model with and without a root unit; the fused and the unfused O2 step; clipping), collects what
-amp refuses, runs O2 with BatchNorm kept fp32, and saves a DCP checkpoint. Then two new ranks
+model with and without a root unit; the fused and the unfused O2 step; clipping; gradient
+accumulation, also with FSDP2's gradient sync off), with inf written into a gradient on rank 1
+at one step. It also collects what amp refuses, runs O2 with BatchNorm kept fp32, and saves a
+DCP checkpoint. Then two new ranks
 resume from it and one rank loads it (DCP reshards 2 -> 1). The single-process references run
 here, in the test's own process (no process group), with the same model, global batches and
 opt level.
@@ -11,10 +13,11 @@ opt level.
 Tolerances, from the numbers measured when the test was written (2 ranks, gloo, CPU):
 - O0 (fp32): the distance between the two runs' master weights after 20 steps is at most 1e-5
   of the distance the weights travelled (measured 1.6e-7: summation order only);
-- O1-O3 (bf16): at most 3% (measured 0.4-1.1%). Each rank rounds its half-batch gradient
+- O1-O3 (bf16): at most 3% (measured 0.4-1.1%, accumulation cases included). Each rank rounds its half-batch gradient
   products to bf16 before FSDP2 sums them in fp32, where one process rounds the whole batch's;
 - gradient norms for clipping: 2% relative (measured at most 0.5%).
-Skipped steps and loss scales must be equal, step by step; a DCP resume is bit for bit.
+Applied and skipped steps and loss scales must be equal, step by step; a DCP resume is bit
+for bit.
 """
 from __future__ import annotations
 
