@@ -179,12 +179,12 @@ def report(title: str, total: int, medians: Dict[str, float]) -> List[Tuple[str,
         median = medians[name]
         ratio = median / medians[f"floor {kind}"]
         gbps = BYTES_PER_PARAM[kind] * total / median / 1e9
-        print(f"{title:<40} {name:<16} {median * 1e3:>10.2f} {ratio:>8.2f} {gbps:>7.1f}")
+        print(f"{title:<40} {name:<16} {median * 1e3:>10.4f} {ratio:>8.2f} {gbps:>7.1f}")
         ratios.append((name, ratio))
     for kind in BYTES_PER_PARAM:
         median = medians[f"floor {kind}"]
         gbps = BYTES_PER_PARAM[kind] * total / median / 1e9
-        print(f"{title:<40} {'floor ' + kind:<16} {median * 1e3:>10.2f} {1.0:>8.2f} {gbps:>7.1f}")
+        print(f"{title:<40} {'floor ' + kind:<16} {median * 1e3:>10.4f} {1.0:>8.2f} {gbps:>7.1f}")
     return ratios
 
 

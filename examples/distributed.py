@@ -13,6 +13,9 @@ import os
 
 import torch
 import torch.distributed as dist
+# Before init_process_group: on import it binds the default group into default arguments (DDP
+# imports it), which would keep the group and gloo's threads alive to exit; see the end of main().
+import torch.distributed.nn  # noqa: F401
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from apex_lite import amp
@@ -69,10 +72,10 @@ def main():
             scaler = amp.loss_scalers()[0]
             print(f"step {step:4d}  loss {loss.item():.5f}  loss scale {scaler.loss_scale}  "
                   f"skipped {scaler.skipped_steps}/{scaler.steps}  ({world} ranks)")
-    # Every rank reaches the end before the group is torn down: a rank that destroys its gloo
-    # group while a peer still talks to it can abort that peer ("terminate called without an
-    # active exception").
-    dist.barrier()
+    dist.barrier()   # no rank tears the group down while a peer still uses it
+    # DDP first, then the group: that joins gloo's threads now, with the GIL released. One still
+    # running at exit can abort the process ("terminate called without an active exception").
+    del model
     dist.destroy_process_group()
 
 

@@ -19,7 +19,12 @@ import torch
 from apex_lite import amp
 from apex_lite.amp.optimizer import CHECKED
 
-STEP_PATHS = pytest.mark.parametrize("fused_step", [None, False], ids=["fused", "unfused"])
+STEP_PATHS = pytest.mark.parametrize("fused_step", [True, False], ids=["fused", "unfused"])
+
+
+def _path(level, fused_step):
+    """``fused_step`` for ``initialize`` at ``level``: the fused step exists at O2 only."""
+    return fused_step if level == "O2" else None
 
 LEVELS = ["O0", "O1", "O2", "O3"]
 CLEARING = ["opt.zero_grad()", "opt.zero_grad(set_to_none=False)", "model.zero_grad()",
@@ -131,9 +136,8 @@ def _amp_run(level, clearing, n_opts, n_scalers, shared, inject, x, fused_step):
     models = _models(shared)
     opts = _optimizers(models, n_opts)
     models, opts = amp.initialize(models, opts, opt_level=level, num_losses=n_scalers,
-                                  verbosity=0, fused_step=fused_step)
-    if fused_step is None and level == "O2":
-        assert all(o._apex_lite_amp.path.fused for o in opts)
+                                  verbosity=0, fused_step=_path(level, fused_step))
+    assert all(o._apex_lite_amp.path.fused for o in opts) == bool(fused_step)
     if n_opts == 1:
         given = [[opts[0]], [opts[0]]]
     else:
@@ -155,11 +159,11 @@ def _amp_run(level, clearing, n_opts, n_scalers, shared, inject, x, fused_step):
     return models, opts, master_grads, steps_taken
 
 
-# O2 runs on both step paths (the default, fused; and fused_step=False); the other levels have
+# O2 runs on both step paths (fused_step=True and False); the other levels have
 # only the unfused one.
 CASES = [c + (path,) for c in itertools.product(LEVELS, CLEARING, [1, 2], [1, 2], [False, True],
                                                 [None, 0, 1])
-         for path in ([None, False] if c[0] == "O2" else [None])]
+         for path in ([True, False] if c[0] == "O2" else [None])]
 
 
 @pytest.mark.parametrize("level, clearing, n_opts, n_scalers, shared, inject, fused_step", CASES)
@@ -211,7 +215,8 @@ def test_no_clearing_accumulates_like_torch(level, fused_step):
     """Never cleared, gradients add up over steps in torch; amp's unscaled ones do the same."""
     m = torch.nn.Linear(4, 1, bias=False)
     o = torch.optim.SGD(m.parameters(), lr=0.0)
-    m, o = amp.initialize(m, o, opt_level=level, verbosity=0, fused_step=fused_step)
+    m, o = amp.initialize(m, o, opt_level=level, verbosity=0,
+                          fused_step=_path(level, fused_step))
     for i in range(3):
         with amp.scale_loss(m(torch.ones(1, 4)).float().sum(), o) as s:
             s.backward()
@@ -225,7 +230,8 @@ def test_no_clearing_accumulates_like_torch(level, fused_step):
 def test_accumulation_before_one_step_still_adds(level, delay_unscale, fused_step):
     m = torch.nn.Linear(4, 1, bias=False)
     o = torch.optim.SGD(m.parameters(), lr=0.0)
-    m, o = amp.initialize(m, o, opt_level=level, verbosity=0, fused_step=fused_step)
+    m, o = amp.initialize(m, o, opt_level=level, verbosity=0,
+                          fused_step=_path(level, fused_step))
     for step in range(2):
         o.zero_grad()
         for micro in range(3):
@@ -243,7 +249,7 @@ def test_one_loss_overflow_does_not_skip_another_loss_optimizer(level, fused_ste
     o0 = torch.optim.SGD([*a.parameters(), *s.parameters()], lr=0.1)
     o1 = torch.optim.SGD(b.parameters(), lr=0.1)
     [a, s, b], [o0, o1] = amp.initialize([a, s, b], [o0, o1], opt_level=level, num_losses=2,
-                                         verbosity=0, fused_step=fused_step)
+                                         verbosity=0, fused_step=_path(level, fused_step))
     x = torch.ones(1, 2)
     before = [p.detach().clone() for p in _masters(o0)] + \
         [b.weight.detach().float().clone()]
@@ -268,7 +274,8 @@ def test_one_loss_overflow_does_not_skip_another_loss_optimizer(level, fused_ste
 def test_two_scalers_into_the_same_gradients_sum_the_unscaled_values(level, fused_step):
     m = torch.nn.Linear(3, 1, bias=False)
     o = torch.optim.SGD(m.parameters(), lr=0.0)
-    m, o = amp.initialize(m, o, opt_level=level, num_losses=2, verbosity=0, fused_step=fused_step)
+    m, o = amp.initialize(m, o, opt_level=level, num_losses=2, verbosity=0,
+                          fused_step=_path(level, fused_step))
     amp.loss_scalers()[1].loss_scale = 2.0 ** 5      # different scales on purpose
     x = torch.ones(1, 3)
     with amp.scale_loss(m(x).float().sum(), o, loss_id=0) as loss:

@@ -246,7 +246,7 @@ def test_locator_without_a_run_or_with_a_non_module():
 
 # ---- amp.report ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("fused_step", [None, False], ids=["fused", "unfused"])
+@pytest.mark.parametrize("fused_step", [True, False], ids=["fused", "unfused"])
 def test_report_o2(fused_step):
     model, opt = _setup("O2", verbosity=0, fused_step=fused_step)
     model.conv = torch.nn.Conv2d(3, 16, 3)      # a conv with 3 input channels (not on the opt)

@@ -90,7 +90,7 @@ def test_fused_step_trains_as_the_unfused_step(name, half_dtype):
     (m/bc1)/(sqrt(v/bc2)+eps) against torch's m/(sqrt(v)/sqrt(bc2)+eps)*lr/bc1, the weight
     decay of AdamW folded into the update); over 6 steps, one of them skipped, the masters agree
     to 1e-5 relative. The half model is the rounding of the masters on both paths."""
-    model, fused_opt = _train(OPTIMIZERS[name], None, inject_at={2}, half_dtype=half_dtype)
+    model, fused_opt = _train(OPTIMIZERS[name], True, inject_at={2}, half_dtype=half_dtype)
     assert fused_opt._apex_lite_amp.path.fused
     fused, fused_model = _masters(fused_opt), [p.detach().clone() for p in model.parameters()]
     _fresh_handle()
@@ -114,7 +114,7 @@ def test_fused_step_trains_as_the_unfused_step(name, half_dtype):
 
 @pytest.mark.parametrize("name", ["SGD-momentum", "SGD-dampening", "Adam"])
 def test_a_skipped_fused_step_changes_nothing(name):
-    model, opt = _train(OPTIMIZERS[name], None, steps=2)
+    model, opt = _train(OPTIMIZERS[name], True, steps=2)
     before = snapshot(model, opt)
     state = copy.deepcopy(opt.state_dict())
     with amp.scale_loss(_loss(model, 9), opt) as scaled:
@@ -135,7 +135,7 @@ def test_a_skipped_first_step_leaves_the_next_one_a_first_step(name):
     knows. A skipped first step leaves it as torch would find it before any step: Adam's zeros
     and step 0; SGD's momentum buffer then takes the next gradient as a first step does (not
     (1 - dampening) times it)."""
-    _, fused_opt = _train(OPTIMIZERS[name], None, steps=3, inject_at={0})
+    _, fused_opt = _train(OPTIMIZERS[name], True, steps=3, inject_at={0})
     _fresh_handle()
     _, plain_opt = _train(OPTIMIZERS[name], False, steps=3, inject_at={0})
     for a, b in zip(_masters(fused_opt), _masters(plain_opt)):
@@ -180,7 +180,7 @@ def test_fused_sgd_with_two_models_two_losses_one_optimizer(level, inject):
 def test_o2_fused_holds_no_master_gradients_and_16_bytes_per_parameter_with_adam():
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0, fused_step=True)
     with amp.scale_loss(model(torch.randn(4, 64)).float().sum(), opt) as scaled:
         scaled.backward()
     opt.step()
@@ -208,7 +208,7 @@ def test_no_host_sync_per_step_and_one_check_one_kernel_call(opt_name, monkeypat
     from apex_lite.amp import optimizer as amp_optimizer
     model = _net()
     model, opt = amp.initialize(model, OPTIMIZERS[opt_name](model.parameters()),
-                                opt_level="O2", verbosity=0)
+                                opt_level="O2", verbosity=0, fused_step=True)
     assert amp.default_handle()._run.decides_on_device
     unscales = []
     monkeypatch.setattr(amp_optimizer, "fused_scale", lambda *a: unscales.append(a))
@@ -261,7 +261,8 @@ def test_the_unfused_step_of_another_optimizer_keeps_decisions_on_the_host():
         return [m.detach().clone() for o in opts for m in o._apex_lite_amp.masters()], opts
     fused, opts = run(None)
     assert not amp.default_handle()._run.decides_on_device
-    assert [o._apex_lite_amp.path.fused for o in opts] == [True, False]
+    native = backend("cpu")[0] == "native"   # the default takes the fused step with kernels
+    assert [o._apex_lite_amp.path.fused for o in opts] == [native, False]
     assert "RMSprop is not an optimizer the fused ops compute" in \
         opts[1]._apex_lite_amp.path.why
     _fresh_handle()
@@ -275,7 +276,7 @@ def test_the_unfused_step_of_another_optimizer_keeps_decisions_on_the_host():
 def test_skip_log_lines_arrive_at_the_sync_in_order(caplog):
     """verbosity keeps its meaning: the lines a host decision would have logged come, in order,
     when the host catches up (every sync_interval decisions, or when the counters are read)."""
-    model, opt = _train(OPTIMIZERS["Adam"], None, steps=0, verbosity=1, sync_interval=4)
+    model, opt = _train(OPTIMIZERS["Adam"], True, steps=0, verbosity=1, sync_interval=4)
     with caplog.at_level(logging.INFO, logger="apex_lite.amp"):
         for i in range(3):
             opt.zero_grad()
@@ -296,7 +297,7 @@ def test_skip_log_lines_arrive_at_the_sync_in_order(caplog):
 
 
 def test_overflow_stuck_error_comes_at_the_sync():
-    model, opt = _train(OPTIMIZERS["SGD"], None, steps=0, min_loss_scale=2.0 ** 14,
+    model, opt = _train(OPTIMIZERS["SGD"], True, steps=0, min_loss_scale=2.0 ** 14,
                         overflow_patience=3, sync_interval=8)
     hook = model[0].bias.register_hook(lambda g: torch.full_like(g, float("inf")))
     for i in range(7):                       # 5 at the floor, but no sync yet
@@ -314,7 +315,7 @@ def test_overflow_stuck_error_comes_at_the_sync():
 
 
 def test_state_dict_catches_up_and_a_resume_continues_bit_for_bit():
-    model, opt = _train(OPTIMIZERS["Adam"], None, steps=5, inject_at={1, 3})
+    model, opt = _train(OPTIMIZERS["Adam"], True, steps=5, inject_at={1, 3})
     state = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(),
                            "amp": amp.state_dict()})
     assert state["amp"]["loss_scaler0"] == {"loss_scale": 16384.0, "unskipped": 1}
@@ -327,7 +328,7 @@ def test_state_dict_catches_up_and_a_resume_continues_bit_for_bit():
     _fresh_handle()
     model2 = _net()
     opt2 = OPTIMIZERS["Adam"](model2.parameters())
-    model2, opt2 = amp.initialize(model2, opt2, opt_level="O2", verbosity=0)
+    model2, opt2 = amp.initialize(model2, opt2, opt_level="O2", verbosity=0, fused_step=True)
     model2.load_state_dict(state["model"])
     opt2.load_state_dict(state["opt"])
     amp.load_state_dict(state["amp"])
@@ -345,7 +346,7 @@ def test_state_dict_catches_up_and_a_resume_continues_bit_for_bit():
 
 @pytest.mark.parametrize("clip", ["amp", "apex"])
 def test_clipping_matches_the_unfused_step(clip):
-    _, fused_opt = _train(OPTIMIZERS["SGD-momentum"], None, clip=clip, inject_at={3})
+    _, fused_opt = _train(OPTIMIZERS["SGD-momentum"], True, clip=clip, inject_at={3})
     fused = _masters(fused_opt)
     _fresh_handle()
     _, plain_opt = _train(OPTIMIZERS["SGD-momentum"], False, clip="apex", inject_at={3})
@@ -356,7 +357,7 @@ def test_clipping_matches_the_unfused_step(clip):
 def test_clip_grad_norm_returns_the_true_norm_without_materialising():
     model = torch.nn.Linear(4, 2, bias=False)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0, fused_step=True)
     with amp.scale_loss(model(torch.ones(1, 4)).float().sum(), opt) as scaled:
         scaled.backward()
     with CountSyncs() as syncs:
@@ -375,7 +376,7 @@ def test_clip_grad_norm_returns_the_true_norm_without_materialising():
 def test_master_params_materialises_true_gradients_between_backward_and_step():
     model = torch.nn.Linear(4, 2, bias=False)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0, fused_step=True)
     with amp.scale_loss(model(torch.ones(1, 4)).float().sum() * 3, opt) as scaled:
         scaled.backward()
     (master,) = amp.master_params(opt)
@@ -390,7 +391,7 @@ def test_master_params_materialises_true_gradients_between_backward_and_step():
 
 
 def test_a_nonfinite_norm_skips_the_step():
-    model, opt = _train(OPTIMIZERS["SGD"], None, steps=1)
+    model, opt = _train(OPTIMIZERS["SGD"], True, steps=1)
     before = snapshot(model, opt)
     opt.zero_grad()
     with amp.scale_loss(_loss(model, 1), opt) as scaled:
@@ -411,7 +412,8 @@ def test_lr_scheduler_and_add_param_group_on_the_fused_step():
     model = torch.nn.Linear(4, 2)
     extra = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    [model, extra], opt = amp.initialize([model, extra], opt, opt_level="O2", verbosity=0)
+    [model, extra], opt = amp.initialize([model, extra], opt, opt_level="O2", verbosity=0,
+                                         fused_step=True)
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     opt.add_param_group({"params": list(extra.parameters()), "lr": 1.0})
     for i in range(3):
@@ -428,7 +430,7 @@ def test_lr_scheduler_and_add_param_group_on_the_fused_step():
 
 
 def test_fused_state_loads_into_plain_torch():
-    model, opt = _train(OPTIMIZERS["Adam"], None, steps=3)
+    model, opt = _train(OPTIMIZERS["Adam"], True, steps=3)
     plain = _net()
     plain.load_state_dict(model.state_dict())
     plain_opt = OPTIMIZERS["Adam"](plain.parameters())
@@ -453,6 +455,20 @@ def test_fused_step_true_names_an_optimizer_it_cannot_run():
     model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
     assert not opt._apex_lite_amp.path.fused
     assert "unfused step (torch.optim.rmsprop.RMSprop is not an optimizer the fused ops" in str(amp.report())
+
+
+def test_the_default_takes_the_fused_step_where_native_kernels_serve_the_device():
+    """fused_step=None: the fused step with the native kernels; with the Python backend (whose
+    fused ops are the kernels' exact but slower reference) the unfused step, saying why."""
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    name, reason = backend("cpu")
+    assert opt._apex_lite_amp.path.fused == (name == "native")
+    if name != "native":
+        assert opt._apex_lite_amp.path.why.startswith(
+            f"the native kernels do not serve cpu ({reason}), and the Python reference of the "
+            f"fused step is slower")
 
 
 @pytest.mark.parametrize("options", [dict(amsgrad=True), dict(maximize=True)])

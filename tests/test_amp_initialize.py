@@ -306,6 +306,10 @@ def test_refuses_a_model_already_wrapped_for_parallelism(wrapper, tmp_path):
         _assert_unchanged(before, inner, opt)
     finally:
         if wrapper == "ddp":
+            # DDP first: destroying the group while its reducer lives makes the reducer join
+            # gloo's threads later, holding the GIL, which can deadlock (see
+            # tests/workers/ddp_skip_worker.py).
+            del model
             dist.destroy_process_group()
 
 

@@ -14,14 +14,19 @@ from apex_lite import amp
 
 LEVELS = ["O0", "O1", "O2", "O3"]
 SCALED_LEVELS = ["O1", "O2"]          # the levels with a dynamic loss scale
-_STEP_PATH = {"fused_step": None}
+_STEP_PATH = {"fused_step": True}
 
 
-@pytest.fixture(autouse=True, params=[None, False], ids=["fused", "unfused"])
+@pytest.fixture(autouse=True, params=[True, False], ids=["fused", "unfused"])
 def step_path(request):
-    """Every rule holds on the fused and the unfused step path."""
+    """Every rule holds on the fused and the unfused step path (O2's; the other levels have only
+    the unfused one)."""
     _STEP_PATH["fused_step"] = request.param
     yield request.param
+
+
+def _path(level):
+    return _STEP_PATH["fused_step"] if level == "O2" else None
 
 
 def _setup(level, n_opts=1, **kwargs):
@@ -29,7 +34,7 @@ def _setup(level, n_opts=1, **kwargs):
     models = [torch.nn.Linear(4, 2) for _ in range(n_opts)]
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
     models, opts = amp.initialize(models, opts, opt_level=level, verbosity=0,
-                                  fused_step=_STEP_PATH["fused_step"], **kwargs)
+                                  fused_step=_path(level), **kwargs)
     return models, opts
 
 
@@ -165,7 +170,7 @@ def test_a_loss_scale_outside_fp32_is_refused_at_initialize(level, name, value, 
     with pytest.raises(ValueError, match=f"{name}={re.escape(repr(value))} cannot be used as a "
                                          f"loss scale: {why}"):
         amp.initialize(model, opt, opt_level=level, verbosity=0,
-                       fused_step=_STEP_PATH["fused_step"], **{name: value})
+                       fused_step=_path(level), **{name: value})
     assert model.weight.dtype == torch.float32 and not hasattr(opt, "_apex_lite_amp")
     assert amp.default_handle()._run is None
 
@@ -290,7 +295,7 @@ def test_skips_at_the_floor_warn_and_the_rate_warning_comes(level, caplog):
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = amp.initialize(model, opt, opt_level=level, min_loss_scale=2.0 ** 14,
-                                overflow_patience=None, fused_step=_STEP_PATH["fused_step"])
+                                overflow_patience=None, fused_step=_path(level))
     with caplog.at_level(logging.INFO, logger="apex_lite.amp"):
         for _ in range(150):
             opt.zero_grad()
@@ -337,8 +342,7 @@ def test_one_handle_per_thread_trains_independently():
         handle = amp.AmpHandle()
         model = models[name]
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        model, opt = handle.initialize(model, opt, opt_level="O1", verbosity=0,
-                                       fused_step=_STEP_PATH["fused_step"])
+        model, opt = handle.initialize(model, opt, opt_level="O1", verbosity=0)
         for _ in range(5):
             opt.zero_grad()
             with handle.scale_loss(model(torch.ones(3, 4)).float().pow(2).sum(), opt) as scaled:
@@ -366,7 +370,7 @@ def _two_models(level):
     o0 = torch.optim.SGD(a.parameters(), lr=0.1)
     o1 = torch.optim.SGD(b.parameters(), lr=0.1)
     return amp.initialize([a, b], [o0, o1], opt_level=level, verbosity=0,
-                          fused_step=_STEP_PATH["fused_step"])
+                          fused_step=_path(level))
 
 
 def _through_another_scale_loss(a, b, o0, x):

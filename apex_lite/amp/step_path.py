@@ -5,7 +5,8 @@ Each amp optimizer has one step path, chosen by ``initialize`` (``choose``):
 - ``UnfusedStep``: the end of every ``scale_loss`` unscales the new gradients (under O2 into the
   masters' fp32 gradients), ``step()`` runs the optimizer's own ``step()`` and, under O2, rounds
   the masters into the half model. Any optimizer, any opt level.
-- ``FusedStep`` (O2, and an optimizer whose update ``apex_lite.optimizers`` computes): the end of
+- ``FusedStep`` (O2, an optimizer whose update ``apex_lite.optimizers`` computes, and native
+  kernels for its device, or ``fused_step=True``): the end of
   the first ``scale_loss`` of a step only checks the gradients for inf/NaN (read-only, into the
   overflow flag) and leaves them scaled (CHECKED); ``step()`` is one kernel pass per bucket that
   reads the half gradient, unscales it, updates the fp32 master and the optimizer's state, and
@@ -30,6 +31,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from ..multi_tensor._backend import backend
 from ..optimizers import fusable
 from ..optimizers.fused_lamb import LambUpdate, global_grad_norm
 from ..optimizers.update import FusedUpdate
@@ -49,11 +51,28 @@ def choose(optimizer: torch.optim.Optimizer, index: int, properties,
                f"{properties.opt_level}{'' if properties.master_weights else ' without them'}")
     else:
         why = fusable.unfused_reason(optimizer)
+    if not why and fused_step is None:
+        why = _without_native_kernels(optimizer)
     if why and fused_step:
         raise ValueError(f"fused_step=True, but optimizer {index} ({type(optimizer).__name__}) "
                          f"cannot take the fused step: {why}. Pass fused_step=None to use it "
                          f"where it applies, or fused_step=False for the unfused step.")
     return why
+
+
+def _without_native_kernels(optimizer: torch.optim.Optimizer) -> str:
+    """Why the default (fused_step=None) stays unfused for lack of native kernels, or "". The
+    Python backend's fused ops are the kernels' reference: exact, but many passes (and host reads
+    of found_inf, a sync on CUDA), slower than the optimizer's own step; fused_step=True still
+    takes them, for the memory."""
+    devices = {p.device for group in optimizer.param_groups for p in group["params"]}
+    for device in sorted(devices, key=str):
+        name, reason = backend(device)
+        if name != "native":
+            return (f"the native kernels do not serve {device.type} ({reason}), and the Python "
+                    f"reference of the fused step is slower than the optimizer's own; "
+                    f"fused_step=True takes it anyway (no fp32 master gradients)")
+    return ""
 
 
 class UnfusedStep:

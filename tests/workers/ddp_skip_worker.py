@@ -9,6 +9,9 @@ import os
 
 import torch
 import torch.distributed as dist
+# Before init_process_group: on import it binds the default group into default arguments (DDP
+# imports it), which would keep the group and gloo's threads alive to exit; see the end of main().
+import torch.distributed.nn  # noqa: F401
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from apex_lite import amp
@@ -49,7 +52,31 @@ def main():
                 "masters": [p.detach().clone() for p in amp.master_params(optimizer)]},
                os.path.join(args.out, f"rank{rank}.pt"))
     dist.barrier()   # no rank tears the gloo group down while a peer still uses it
+    # DDP first, then the group: that joins gloo's threads here, with the GIL released (the other
+    # order joins them in ~Reducer holding it, and can hang). A gloo thread still running at exit
+    # can free a tensor during finalization and abort ("terminate called without an active
+    # exception"); the check below fails loudly instead if that would be possible.
+    del model
     dist.destroy_process_group()
+    leftover = gloo_threads()
+    if leftover:
+        raise SystemExit(f"gloo threads {leftover} outlived destroy_process_group: something "
+                         "still holds the process group, and this process can abort at exit")
+
+
+def gloo_threads():
+    """Names of this process's native threads that belong to gloo (Linux; [] elsewhere)."""
+    tasks = "/proc/self/task"
+    if not os.path.isdir(tasks):
+        return []
+    names = []
+    for tid in os.listdir(tasks):
+        try:
+            with open(os.path.join(tasks, tid, "comm")) as f:
+                names.append(f.read().strip())
+        except FileNotFoundError:   # the thread ended while we looked
+            pass
+    return [name for name in names if "gloo" in name]
 
 
 if __name__ == "__main__":
