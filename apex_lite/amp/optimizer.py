@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import types
+import weakref
 from typing import Dict, List, Optional, Tuple, Union
 
 import torch
@@ -628,16 +629,22 @@ class _ForeignBackward:
     the gradients are cleared, and step() refuses. (amp unscales and checks a gradient when its
     block exits; one written later would be applied unscaled, still scaled, or dropped.) One
     Python call per parameter per backward; not pickled or copied with the model (torch keeps no
-    hooks there)."""
+    hooks there).
+
+    It holds its AmpOptimizer weakly: torch keeps a parameter's post-accumulate-grad hooks in
+    its autograd metadata, where the garbage collector does not look, so a strong reference
+    (AmpOptimizer -> model parameter -> hook -> AmpOptimizer) would keep the model, the
+    optimizer and amp's run alive for the life of the process."""
 
     __slots__ = ("amp_opt",)
 
     def __init__(self, amp_opt: "AmpOptimizer"):
-        self.amp_opt = amp_opt
+        self.amp_opt = weakref.ref(amp_opt)
 
     def __call__(self, param: torch.Tensor) -> None:
-        if not self.amp_opt.in_scale_loss:
-            self.amp_opt.foreign_backward = True
+        amp_opt = self.amp_opt()
+        if amp_opt is not None and not amp_opt.in_scale_loss:
+            amp_opt.foreign_backward = True
 
 
 def _make_method(name: str):
