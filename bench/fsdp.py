@@ -9,7 +9,8 @@ its own pair of processes (peak memory is a process's):
   torch mp        FSDP2 with MixedPrecisionPolicy(param_dtype=half, reduce_dtype=float32),
                   torch.amp.GradScaler, torch.optim.AdamW: PyTorch's own mixed precision
   apex_lite O2    the same policy, amp.initialize(opt_level="O2") with torch.optim.AdamW:
-                  amp's fused step on the fp32 shards (the masters)
+                  amp's default step on the fp32 shards (the masters): the fused step where
+                  the native kernels serve the CPU, else the unfused one (the path column)
 
 Reported per variant, the larger of the two ranks' numbers: the median ms of a training step
 (forward, backward, step) over the timed steps; the growth of the rank's peak resident memory
@@ -52,28 +53,42 @@ VARIANTS = ["fp32", "torch mp", "apex_lite O2"]
 BASELINE = "torch mp"
 
 
-def _example_model(width: int, blocks: int) -> torch.nn.Module:
-    """examples/fsdp.py's ``Net``: what the benchmark times is the example's model."""
+def _example():
+    """examples/fsdp.py as a module: the benchmark times its ``Net`` and tears down as it does."""
     path = Path(__file__).resolve().parent.parent / "examples" / "fsdp.py"
     spec = importlib.util.spec_from_file_location("fsdp_example", path)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    return example.Net(width, blocks)
+    return example
 
 
 def run_rank(name: str, args) -> dict:
-    """One rank of variant ``name``: build, shard, train, measure (in this process)."""
+    """One rank of variant ``name`` in this process: train and measure, then tear down as
+    examples/fsdp.py does."""
     import torch.distributed as dist
     import torch.distributed.nn  # noqa: F401  (before init_process_group)
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from apex_lite import amp
 
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")
+    example = _example()
+    result = _measure(name, args, example.Net)
+    dist.barrier()
+    amp.initialize([], enabled=False)   # amp's default handle lets go of the model
+    example.release_device_meshes()
+    dist.destroy_process_group()
+    return result
+
+
+def _measure(name: str, args, net) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from apex_lite import amp
+
     rank = dist.get_rank()
     base_rss = _peak_rss_bytes()
     torch.manual_seed(0)
-    model = _example_model(args.width, args.blocks)
+    model = net(args.width, args.blocks)
     half = torch.bfloat16
     policy = MixedPrecisionPolicy() if name == "fp32" else \
         MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)
@@ -116,14 +131,11 @@ def run_rank(name: str, args) -> dict:
         path = optimizer._apex_lite_amp.path.describe()
     else:
         path = "torch"
-    result = {"variant": name, "rank": rank, "params": params,
-              "ms": 1e3 * statistics.median(times),
-              "peak_mib": (_peak_rss_bytes() - base_rss) / 2 ** 20,
-              "steps_peak_mib": (_status_bytes("VmHWM") - base_rss) / 2 ** 20
-              if step_peak_counted else None, "path": path}
-    dist.barrier()
-    dist.destroy_process_group()
-    return result
+    return {"variant": name, "rank": rank, "params": params,
+            "ms": 1e3 * statistics.median(times),
+            "peak_mib": (_peak_rss_bytes() - base_rss) / 2 ** 20,
+            "steps_peak_mib": (_status_bytes("VmHWM") - base_rss) / 2 ** 20
+            if step_peak_counted else None, "path": path}
 
 
 def _free_port() -> int:
@@ -179,10 +191,7 @@ def main() -> None:
         args.width, args.blocks, args.batch, args.steps, args.warmup = 32, 2, 8, 2, 1
     if args.variant:
         print(json.dumps(run_rank(args.variant, args)))
-        sys.stdout.flush()
-        # torch's DTensor cache keeps the mesh (and gloo's threads) alive past
-        # destroy_process_group; leave without finalizing, which such a thread can abort.
-        os._exit(0)
+        return
 
     params = args.blocks * (8 * args.width ** 2 + 7 * args.width) + args.width + 1
     print(f"bench/fsdp.py: {params:,} parameters ({4 * params / 2 ** 20:.0f} MiB in fp32) in "

@@ -15,6 +15,7 @@ torch.distributed.checkpoint (get_state_dict / set_state_dict) with amp.state_di
 them; a checkpoint saved by N ranks loads into any number of ranks.
 """
 import argparse
+import gc
 import logging
 import os
 
@@ -77,6 +78,28 @@ def checkpoint_state(model, optimizer):
             "step": 0}
 
 
+def release_device_meshes():
+    """Let go of the device meshes FSDP2 and DTensor keep, so that destroy_process_group ends
+    gloo's threads (call it once the sharded model and optimizer are gone, before
+    destroy_process_group). In torch 2.13 a DeviceMesh holds its process groups, and DTensor
+    memoises its sharding and redistribution plans, which hold meshes, in four caches of its
+    own; while one of them holds a mesh the group outlives destroy_process_group, and a gloo
+    thread still running when the interpreter exits can abort the process ("terminate called
+    without an active exception"). PyTorch's own DTensor tests clear these caches before
+    destroying their groups. A cache that another torch release lacks is skipped."""
+    from torch.distributed.tensor import _collective_utils, _redistribute, debug
+    for clear in (getattr(debug, "_clear_sharding_prop_cache", None),
+                  getattr(_redistribute, "clear_redistribute_planner_cache", None),
+                  getattr(getattr(_redistribute, "_gen_transform_infos", None),
+                          "cache_clear", None),
+                  getattr(getattr(getattr(_collective_utils, "MeshTopoInfo", None),
+                                  "build_from_mesh", None), "cache_clear", None)):
+        if clear is not None:
+            clear()
+    # FSDP2's units and the meshes are reference cycles: free them now, not at a later pass.
+    gc.collect()
+
+
 def main():
     args = parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -90,6 +113,17 @@ def main():
     else:
         device = torch.device("cpu")
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    train(args, device, rank)
+    dist.barrier()   # no rank tears the group down while a peer still uses it
+    # train()'s model and optimizer are gone; amp's default handle lets go of them, then torch
+    # of its meshes, and destroy_process_group then ends gloo's threads (release_device_meshes).
+    amp.initialize([], enabled=False)
+    release_device_meshes()
+    dist.destroy_process_group()
+
+
+def train(args, device: torch.device, rank: int) -> None:
+    """Build, shard, initialize, resume when asked, train, save when asked."""
     world = dist.get_world_size()
 
     torch.manual_seed(0)                      # the same initial weights on every rank
@@ -143,11 +177,6 @@ def main():
         dcp.save(state, checkpoint_id=args.checkpoint)
         if rank == 0:
             print(f"saved {args.checkpoint} at step {state['step']}")
-    # Every rank reaches the end before the group is torn down: a rank that destroys its gloo
-    # group while a peer still talks to it can abort that peer.
-    dist.barrier()
-    del model, optimizer
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -2,20 +2,26 @@
 
 One launch of two ranks (tests/workers/fsdp_worker.py --job main) trains every case of
 ``CASES`` (each opt level; nested units, units kept unsharded after forward, a partly sharded
-model with and without a root unit; the fused and the unfused O2 step; clipping; gradient
-accumulation, also with FSDP2's gradient sync off), with inf written into a gradient on rank 1
-at one step. It also collects what amp refuses, runs O2 with BatchNorm kept fp32, and saves a
-DCP checkpoint. Then two new ranks
-resume from it and one rank loads it (DCP reshards 2 -> 1). The single-process references run
+model with and without a root unit; clipping; gradient accumulation, also with FSDP2's gradient
+sync off), every O2 case on the fused and on the unfused step (``fused_step=True`` / ``False``:
+amp's default depends on the backend), with inf written into a gradient on rank 1 at one step.
+It also collects what amp refuses and the default step path, runs O2 with BatchNorm kept fp32,
+and saves a DCP checkpoint on each step path. Then two new ranks resume from them and one rank
+loads them (DCP reshards 2 -> 1). Each launch ends with the teardown of examples/fsdp.py and
+fails when a gloo thread outlives destroy_process_group. The single-process references run
 here, in the test's own process (no process group), with the same model, global batches and
 opt level.
 
 Tolerances, from the numbers measured when the test was written (2 ranks, gloo, CPU):
 - O0 (fp32): the distance between the two runs' master weights after 20 steps is at most 1e-5
   of the distance the weights travelled (measured 1.6e-7: summation order only);
-- O1-O3 (bf16): at most 3% (measured 0.4-1.1%, accumulation cases included). Each rank rounds its half-batch gradient
-  products to bf16 before FSDP2 sums them in fp32, where one process rounds the whole batch's;
-- gradient norms for clipping: 2% relative (measured at most 0.5%).
+- O1-O3 (bf16): at most 3% (measured 0.4-1.1%, accumulation cases included). Each rank rounds
+  its half-batch gradient products to bf16 before FSDP2 sums them in fp32, where one process
+  rounds the whole batch's;
+- gradient norms for clipping: 2% relative (measured at most 0.5%);
+- the fused against the unfused O2 step on the same shards: 5e-4 of the distance travelled
+  (measured 1e-7 with SGD, 6.4e-5 with AdamW, whose fused update orders its fp32 arithmetic
+  differently), with the same decisions.
 Applied and skipped steps and loss scales must be equal, step by step; a DCP resume is bit
 for bit.
 """
@@ -34,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from apex_lite import amp
+from apex_lite.multi_tensor import backend
 
 WORKER_PATH = Path(__file__).parent / "workers" / "fsdp_worker.py"
 
@@ -55,7 +62,10 @@ _spec = importlib.util.spec_from_file_location("fsdp_worker", WORKER_PATH)
 worker = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(worker)
 
-HALF_TOLERANCE, FP32_TOLERANCE, NORM_TOLERANCE = 0.03, 1e-5, 0.02
+HALF_TOLERANCE, FP32_TOLERANCE, NORM_TOLERANCE, PATH_TOLERANCE = 0.03, 1e-5, 0.02, 5e-4
+# The O2 cases that run on both step paths, by the name they share.
+BOTH_PATHS = [case.name[:-len("_fused")] for case in worker.CASES
+              if case.name.endswith("_fused")]
 
 
 def _free_port() -> int:
@@ -109,6 +119,7 @@ def _reference(case):
     model, optimizer = worker.initialize(case, handle, model, optimizer)
     record = worker.train(case, model, optimizer, handle)
     record["masters"] = worker.masters_of(handle, optimizer)
+    record["fused"] = optimizer._apex_lite_amp.path.fused
     initial = [p.detach().float() for p in worker.build(case).parameters() if p.requires_grad]
     return record, initial
 
@@ -122,6 +133,8 @@ def test_matches_one_process_with_the_same_skips(runs, name):
     case = worker.CASE[name]
     ranks = [r["cases"][name] for r in runs["main"]]
     reference, initial = _reference(case)
+    fused = case.kwargs.get("fused_step") is True   # the step path the case names
+    assert reference["fused"] == fused and all(r["fused"] == fused for r in ranks)
     applied = [step != worker.INJECT_STEP for step in range(case.steps)]
     assert reference["applied"] == applied
     if case.micro == 1:   # with accumulation the scaler's last decision is the last backward's
@@ -148,29 +161,59 @@ def test_matches_one_process_with_the_same_skips(runs, name):
                                        atol=NORM_TOLERANCE * float(want.abs().max()))
 
 
-def test_O2_and_O3_compute_in_half_and_keep_what_each_level_keeps(runs):
+@pytest.mark.parametrize("name", BOTH_PATHS)
+def test_the_fused_and_the_unfused_step_train_alike_on_shards(runs, name):
+    """The two O2 step paths on the same shards: the same decisions, and masters that differ
+    by fp32 rounding (see the tolerances above)."""
+    for result in runs["main"]:
+        fused, unfused = result["cases"][f"{name}_fused"], result["cases"][f"{name}_unfused"]
+        assert fused["applied"] == unfused["applied"]
+        assert fused["skipped"] == unfused["skipped"] and fused["scale"] == unfused["scale"]
+        initial = [p.detach().float() for p in worker.build(worker.CASE[f"{name}_fused"])
+                   .parameters() if p.requires_grad]
+        assert _distance(fused["masters"], unfused["masters"]) <= \
+            PATH_TOLERANCE * _distance(unfused["masters"], initial)
+
+
+@pytest.mark.parametrize("path", worker.STEP_PATHS)
+def test_O2_and_O3_compute_in_half_and_keep_what_each_level_keeps(runs, path):
     cases = runs["main"][0]["cases"]
-    assert all(m.dtype == torch.float32 for m in cases["O2"]["masters"])   # the masters
+    assert all(m.dtype == torch.float32 for m in cases[f"O2_{path}"]["masters"])   # masters
     assert all(m.dtype == torch.bfloat16 for m in cases["O3"]["masters"])  # O3: no masters
-    report = cases["O2"]["report"]
+    report = cases[f"O2_{path}"]["report"]
     assert "all-gathered in torch.bfloat16" in report
-    assert "optimizer 0 (SGD): fused step" in report
+    assert ("optimizer 0 (SGD): fused step" if path == "fused" else
+            "optimizer 0 (SGD): unfused step (fused_step=False)") in report
     assert "master weights: none" in report            # no second copy of anything
 
 
-def test_report_counts_this_ranks_shards(runs):
-    total = sum(p.numel() for p in worker.build(worker.CASE["O2"]).parameters())
+def test_the_default_step_path_is_fused_where_the_native_kernels_serve_the_cpu(runs):
+    native = backend(torch.device("cpu"))[0] == "native"
+    for result in runs["main"]:
+        line = result["default_step_path"]
+        if native:
+            assert line == "optimizer 0 (SGD): fused step", line
+        else:
+            assert line.startswith("optimizer 0 (SGD): unfused step (the native kernels do not "
+                                   "serve cpu"), line
+
+
+@pytest.mark.parametrize("path", worker.STEP_PATHS)
+def test_report_counts_this_ranks_shards(runs, path):
+    total = sum(p.numel() for p in worker.build(worker.CASE[f"O2_{path}"]).parameters())
     for rank, result in enumerate(runs["main"]):
-        report = result["cases"]["O2"]["report"]
+        report = result["cases"][f"O2_{path}"]["report"]
         # SGD with momentum: fp32 parameter, gradient and momentum shards, 12 bytes per element
-        # of this rank's shards, about a half of the model's each.
+        # of this rank's shards, about a half of the model's each (on either step path: the
+        # unfused step's fp32 master gradients are the gradient shards themselves).
         assert "bytes held per model parameter: 12.00" in report
         held = float(report.split("this rank holds ")[1].split(" KiB")[0]) * 1024
         assert abs(held - 12 * total / 2) <= 12 * worker.WIDTH * 4, (rank, held, total)
 
 
-def test_batchnorm_kept_fp32_in_units_of_its_own(runs):
-    result = runs["main"][0]["kept_batchnorm"]
+@pytest.mark.parametrize("path", worker.STEP_PATHS)
+def test_batchnorm_kept_fp32_in_units_of_its_own(runs, path):
+    result = runs["main"][0]["kept_batchnorm"][path]
     seen = result["dtypes"]
     assert seen["batch_norm_input"] == torch.float32            # computed in fp32
     assert seen["batch_norm_running_mean"] == torch.float32
@@ -221,19 +264,26 @@ def test_fused_adam_steps_shards_without_amp(runs):
         assert result["fused_adam_without_amp"] <= 1e-6
 
 
-def test_dcp_resume_in_new_processes_is_bitwise(runs):
-    main, resume = runs["main"], runs["resume"]
+CHECKPOINTS = [case.name for case in worker.CHECKPOINT_CASES]
+
+
+@pytest.mark.parametrize("name", CHECKPOINTS)
+def test_dcp_resume_in_new_processes_is_bitwise(runs, name):
     for rank in range(2):
-        assert resume[rank]["record"]["loss"] == \
-            main[rank]["checkpoint_record"]["loss"][worker.CHECKPOINT_AT:]
-        for a, b in zip(resume[rank]["final"], main[rank]["checkpoint_final"]):
+        saved = runs["main"][rank]["checkpoint"][name]
+        resumed = runs["resume"][rank][name]
+        assert resumed["record"]["loss"] == saved["record"]["loss"][worker.CHECKPOINT_AT:]
+        assert resumed["record"]["applied"] == [True] * (worker.CHECKPOINT_STEPS -
+                                                         worker.CHECKPOINT_AT)
+        for a, b in zip(resumed["final"], saved["final"]):
             assert torch.equal(a, b)
-        _assert_same_state(resume[rank]["loaded"], main[0]["saved"])
+        _assert_same_state(resumed["loaded"], runs["main"][0]["checkpoint"][name]["saved"])
 
 
-def test_dcp_saved_by_two_ranks_loads_into_one(runs):
-    loaded = runs["reshard"][0]["loaded"]
-    _assert_same_state(loaded, runs["main"][0]["saved"])
+@pytest.mark.parametrize("name", CHECKPOINTS)
+def test_dcp_saved_by_two_ranks_loads_into_one(runs, name):
+    loaded = runs["reshard"][0][name]["loaded"]
+    _assert_same_state(loaded, runs["main"][0]["checkpoint"][name]["saved"])
     assert loaded["amp"]["loss_scaler0"]["unskipped"] == worker.CHECKPOINT_AT
     assert loaded["optimizer"]["state"]        # Adam's moments came across, whole
 

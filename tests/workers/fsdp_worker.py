@@ -2,12 +2,14 @@
 the test's single-process references share with it; not a test itself.
 
     python fsdp_worker.py --job main --out DIR      # 2 ranks: every training case, the refusals,
-                                                    # report, clipping, a DCP checkpoint at step 3
-    python fsdp_worker.py --job resume --out DIR    # 2 new ranks: load it, train on
-    python fsdp_worker.py --job reshard --out DIR   # 1 rank: load it (DCP reshards 2 -> 1)
+                                                    # report, clipping, a DCP checkpoint at step
+                                                    # 3 on each O2 step path
+    python fsdp_worker.py --job resume --out DIR    # 2 new ranks: load them, train on
+    python fsdp_worker.py --job reshard --out DIR   # 1 rank: load them (DCP reshards 2 -> 1)
 
-Each rank writes what it saw to DIR/<job>_rank<r>.pt. Ranks are started by the test with
-MASTER_ADDR/PORT, RANK and WORLD_SIZE (gloo on CPU).
+Each rank writes what it saw to DIR/<job>_rank<r>.pt, then tears down as examples/fsdp.py does
+and exits with an error when a gloo thread outlives destroy_process_group. Ranks are started by
+the test with MASTER_ADDR/PORT, RANK and WORLD_SIZE (gloo on CPU).
 """
 from __future__ import annotations
 
@@ -74,25 +76,42 @@ class Case(NamedTuple):
     no_sync: bool = False
 
 
+# O2 has two step paths, and amp's default (fused_step=None) takes the fused one only where the
+# native kernels serve the device: every O2 case runs on both, named explicitly, so that both
+# backends test both paths.
+STEP_PATHS = {"fused": True, "unfused": False}
+
+
+def on_both_paths(*cases: Case) -> List[Case]:
+    """Each O2 case once per step path, named ``<name>_fused`` and ``<name>_unfused``."""
+    return [case._replace(name=f"{case.name}_{path}",
+                          kwargs={**case.kwargs, "fused_step": fused_step})
+            for case in cases for path, fused_step in STEP_PATHS.items()]
+
+
 CASES = [
     Case("O0", "O0", "nested"),
     Case("O1", "O1", "unsharded_after_forward"),
-    Case("O2", "O2", "nested"),
-    Case("O2_unfused", "O2", "partial", {"fused_step": False}),
-    Case("O2_no_root", "O2", "no_root"),
     Case("O3", "O3", "nested"),
-    Case("O2_adamw_clip", "O2", "nested", optimizer="adamw", clip=("amp", 0.5, 2.0)),
-    Case("O2_master_params_clip", "O2", "unsharded_after_forward",
-         clip=("master_params", 0.5, 2.0)),
     Case("O1_clip_inf", "O1", "nested", clip=("amp", 0.05, math.inf)),
-    Case("O2_accumulate", "O2", "nested", micro=2),
     Case("O1_accumulate_delay_unscale", "O1", "unsharded_after_forward", micro=2,
          delay_unscale=True),
-    Case("O2_accumulate_no_sync", "O2", "nested", micro=2, delay_unscale=True, no_sync=True),
+    *on_both_paths(
+        Case("O2", "O2", "nested"),
+        Case("O2_partial", "O2", "partial"),
+        Case("O2_no_root", "O2", "no_root"),
+        Case("O2_adamw_clip", "O2", "nested", optimizer="adamw", clip=("amp", 0.5, 2.0)),
+        Case("O2_master_params_clip", "O2", "unsharded_after_forward",
+             clip=("master_params", 0.5, 2.0)),
+        Case("O2_accumulate", "O2", "nested", micro=2),
+        Case("O2_accumulate_no_sync", "O2", "nested", micro=2, delay_unscale=True,
+             no_sync=True)),
 ]
 CASE = {case.name: case for case in CASES}
-CHECKPOINT_CASE = Case("checkpoint", "O2", "nested", optimizer="adamw",
-                       steps=CHECKPOINT_STEPS, inject=False)
+# The cases whose amp.report() the ranks record: O2 with SGD, on each step path.
+REPORTED = ("O2_fused", "O2_unfused")
+CHECKPOINT_CASES = on_both_paths(Case("checkpoint", "O2", "nested", optimizer="adamw",
+                                      steps=CHECKPOINT_STEPS, inject=False))
 
 
 def build(case: Case, norm: Optional[str] = None) -> torch.nn.Module:
@@ -320,12 +339,13 @@ def refusals(amp) -> Dict[str, str]:
     return out
 
 
-def kept_batchnorm(amp) -> dict:
+def kept_batchnorm(amp, fused_step: bool) -> dict:
     """O2 with keep_batchnorm_fp32 (BatchNorm units of their own, no param_dtype) and a head
     kept by keep_fp32_modules: the dtypes each module computes in, and a few steps."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     handle = amp.AmpHandle()
-    case = Case("bn", "O2", "nested", {"keep_fp32_modules": ["head"]}, steps=3, inject=False)
+    case = Case("bn", "O2", "nested", {"keep_fp32_modules": ["head"], "fused_step": fused_step},
+                steps=3, inject=False)
     model = build(case, "batchnorm")
     policy = policy_for("O2")
     for block in model.blocks:
@@ -406,52 +426,74 @@ def full_state(state) -> dict:
     return state
 
 
+def default_step_path(amp) -> str:
+    """amp.report()'s line for the step path amp chooses by default (fused_step=None) at O2 on
+    a sharded model: the fused step where the native kernels serve the CPU."""
+    handle = amp.AmpHandle()
+    sharded_run(Case("default", "O2", "nested"), handle)
+    return next(line.strip() for line in str(handle.report()).splitlines()
+                if "optimizer 0" in line)
+
+
 def job_main(amp, out: str, rank: int) -> dict:
-    import torch.distributed.checkpoint as dcp
-    results = {"cases": {}}
+    results = {"cases": {}, "kept_batchnorm": {}, "checkpoint": {}}
     for case in CASES:
         handle = amp.AmpHandle()
         model, optimizer = sharded_run(case, handle)
         record = train(case, model, optimizer, handle, rank=rank, world=dist_world())
         record["masters"] = masters_of(handle, optimizer)
-        record["report"] = str(handle.report()) if case.name == "O2" else ""
+        record["fused"] = optimizer._apex_lite_amp.path.fused
+        record["report"] = str(handle.report()) if case.name in REPORTED else ""
         results["cases"][case.name] = record
     results["refusals"] = refusals(amp)
-    results["kept_batchnorm"] = kept_batchnorm(amp)
+    results["default_step_path"] = default_step_path(amp)
+    for path, fused_step in STEP_PATHS.items():
+        results["kept_batchnorm"][path] = kept_batchnorm(amp, fused_step)
     results["fused_adam_without_amp"] = fused_adam_without_amp()
+    for case in CHECKPOINT_CASES:
+        results["checkpoint"][case.name] = checkpoint_run(amp, case, out, rank)
+    return results
 
-    # A DCP checkpoint at step CHECKPOINT_AT, then on to the end without stopping.
+
+def checkpoint_run(amp, case: Case, out: str, rank: int) -> dict:
+    """A DCP checkpoint at step CHECKPOINT_AT, then on to the end without stopping."""
+    import torch.distributed.checkpoint as dcp
     handle = amp.AmpHandle()
-    model, optimizer = sharded_run(CHECKPOINT_CASE, handle)
+    model, optimizer = sharded_run(case, handle)
+    results = {}
 
     def save(step):
         if step + 1 == CHECKPOINT_AT:
             state = checkpoint_state(model, optimizer, handle)
-            dcp.save(state, checkpoint_id=os.path.join(out, "checkpoint"))
+            dcp.save(state, checkpoint_id=os.path.join(out, case.name))
             results["saved"] = full_state(state)
-    results["checkpoint_record"] = train(CHECKPOINT_CASE, model, optimizer, handle, rank=rank,
-                                         world=dist_world(), on_step=save)
-    results["checkpoint_final"] = masters_of(handle, optimizer)
+    results["record"] = train(case, model, optimizer, handle, rank=rank, world=dist_world(),
+                              on_step=save)
+    results["final"] = masters_of(handle, optimizer)
     return results
 
 
 def job_load(amp, out: str, rank: int, continue_training: bool) -> dict:
-    """Build and shard the checkpoint's model in new processes, load the checkpoint through DCP
-    (get_state_dict / set_state_dict) and amp.load_state_dict; train on when asked."""
+    """For each checkpoint case: build and shard its model in new processes, load the
+    checkpoint through DCP (get_state_dict / set_state_dict) and amp.load_state_dict; train on
+    when asked."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
-    handle = amp.AmpHandle()
-    model, optimizer = sharded_run(CHECKPOINT_CASE, handle)
-    state = checkpoint_state(model, optimizer, handle)
-    dcp.load(state, checkpoint_id=os.path.join(out, "checkpoint"))
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"])
-    handle.load_state_dict(state["amp"])
-    results = {"loaded": full_state(checkpoint_state(model, optimizer, handle))}
-    if continue_training:
-        results["record"] = train(CHECKPOINT_CASE, model, optimizer, handle, rank=rank,
-                                  world=dist_world(), first_step=CHECKPOINT_AT)
-        results["final"] = masters_of(handle, optimizer)
+    results = {}
+    for case in CHECKPOINT_CASES:
+        handle = amp.AmpHandle()
+        model, optimizer = sharded_run(case, handle)
+        state = checkpoint_state(model, optimizer, handle)
+        dcp.load(state, checkpoint_id=os.path.join(out, case.name))
+        set_state_dict(model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+        handle.load_state_dict(state["amp"])
+        result = results[case.name] = {
+            "loaded": full_state(checkpoint_state(model, optimizer, handle))}
+        if continue_training:
+            result["record"] = train(case, model, optimizer, handle, rank=rank,
+                                     world=dist_world(), first_step=CHECKPOINT_AT)
+            result["final"] = masters_of(handle, optimizer)
     return results
 
 
@@ -480,14 +522,28 @@ def main():
         os._exit(1)   # a rank that failed must not wait in a collective for its peer
     torch.save(results, os.path.join(args.out, f"{args.job}_rank{rank}.pt"))
     dist.barrier()   # no rank tears the gloo group down while a peer still uses it
+    # The models lived in the jobs (each on its own AmpHandle) and are gone; torch's caches
+    # let go of their meshes, and destroy_process_group then ends gloo's threads. A gloo thread
+    # still running at exit can abort the process; the check fails loudly instead.
+    example_module().release_device_meshes()
     dist.destroy_process_group()
-    # The models are gone (they lived in the jobs), but torch's DTensor sharding cache keeps
-    # their device mesh, and with it gloo's threads, alive past destroy_process_group. A gloo
-    # thread still running while the interpreter finalizes can abort the process ("terminate
-    # called without an active exception"), so this rank leaves without finalizing: its
-    # results are on disk.
-    sys.stdout.flush()
-    os._exit(0)
+    from ddp_skip_worker import gloo_threads   # beside this file, on sys.path[0]
+    leftover = gloo_threads()
+    if leftover:
+        raise SystemExit(f"gloo threads {leftover} outlived destroy_process_group: something "
+                         "still holds a device mesh or the process group, and this process "
+                         "can abort at exit")
+
+
+def example_module():
+    """examples/fsdp.py as a module (its release_device_meshes is the teardown tested here)."""
+    import importlib.util
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir,
+                        "examples", "fsdp.py")
+    spec = importlib.util.spec_from_file_location("fsdp_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 if __name__ == "__main__":
