@@ -29,16 +29,13 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
+import gloo_ranks
 from apex_lite import amp
 from apex_lite.multi_tensor import backend
 
@@ -68,35 +65,12 @@ BOTH_PATHS = [case.name[:-len("_fused")] for case in worker.CASES
               if case.name.endswith("_fused")]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(job: str, out: Path, world: int):
-    port = _free_port()
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                   WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen(
-            [sys.executable, str(WORKER_PATH), "--job", job, "--out", str(out)], env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            start_new_session=True))
-    return procs
+    return gloo_ranks.start(WORKER_PATH, ["--job", job, "--out", str(out)], world)
 
 
 def _finish(job: str, out: Path, procs, timeout: float = 150):
-    try:
-        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
-    finally:
-        for p in procs:   # never leave a rank behind, whatever failed
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for rank, (p, text) in enumerate(zip(procs, outputs)):
-        assert p.returncode == 0, f"{job} rank {rank} failed:\n{text}"
+    gloo_ranks.finish(procs, job, timeout)
     return [torch.load(out / f"{job}_rank{r}.pt", weights_only=False) for r in range(len(procs))]
 
 

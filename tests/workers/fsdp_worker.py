@@ -382,7 +382,6 @@ def kept_batchnorm(amp, fused_step: bool) -> dict:
 def fused_adam_without_amp() -> float:
     """apex_lite's FusedAdam stepping FSDP2 shards on its own (no amp), against torch's AdamW on
     the same sharded model: the largest difference of the weights after 3 steps."""
-    from torch.distributed.fsdp import fully_shard
     from apex_lite.optimizers import FusedAdam
     finals = []
     for make in (lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01),
