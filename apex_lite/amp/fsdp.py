@@ -14,9 +14,11 @@ How the opt levels run on FSDP2 (decided here, and why):
 - O2: the sharded fp32 parameters are the master weights; nothing is copied. The half compute is
   FSDP2's own: ``MixedPrecisionPolicy(param_dtype=half)`` all-gathers each unit's shards in half
   for its forward and backward. FSDP2 reduce-scatters the gradients and writes them into fp32
-  gradient shards, which amp unscales and checks like an fp32 model's. The fused step updates
-  each master shard and its optimizer state in one pass. There is no half parameter to write:
-  the next all-gather casts again.
+  gradient shards, which amp unscales and checks like an fp32 model's. The step path is chosen
+  as without FSDP (``step_path.choose``): the fused step updates each master shard and its
+  optimizer state in one pass over the local shards; the unfused step unscales the gradient
+  shards in place (they are the masters' gradients) and runs the optimizer's own step. There
+  is no half parameter to write: the next all-gather casts again.
 - O3: amp casts the sharded parameters to half in place, through FSDP2's own conversion
   (``module._apply``, the path of ``model.to(dtype)``, which keeps the Parameter objects the
   optimizer holds). The optimizer steps half shards, with a static loss scale of 1.0.
