@@ -1,6 +1,8 @@
 """amp.initialize: return shapes, dtypes per opt level, O2 masters, casts, refusals."""
+import gc
 import logging
 import pickle
+import weakref
 
 import pytest
 import torch
@@ -357,6 +359,28 @@ def test_reinitialising_starts_clean():
     with pytest.raises(RuntimeError, match="belongs to an earlier amp.initialize"):
         with amp.scale_loss(model(batch(0)[0]).sum(), opt):
             pass
+
+
+@pytest.mark.parametrize("level, fused_step", [("O0", None), ("O1", None), ("O2", True),
+                                               ("O2", False), ("O3", None)])
+def test_a_run_lets_go_of_its_model_and_optimizer_when_it_ends(level, fused_step):
+    """Nothing amp installs keeps a model or an optimizer alive past its run: the backward
+    watches on the parameters hold their optimizer weakly (torch keeps those hooks where the
+    garbage collector does not look). initialize(..., enabled=False) ends the default handle's
+    run, as a distributed program does before destroy_process_group (examples/fsdp.py)."""
+    def train():
+        model, opt = _model_and_opt()
+        model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0,
+                                    fused_step=fused_step)
+        with amp.scale_loss(model(batch(0)[0]).float().sum(), opt) as loss:
+            loss.backward()
+        opt.step()
+        return weakref.ref(model), weakref.ref(opt)
+
+    model, opt = train()
+    amp.initialize([], enabled=False)
+    gc.collect()
+    assert model() is None and opt() is None
 
 
 def test_initialize_logs_the_level_subject_to_verbosity(caplog):

@@ -1,45 +1,20 @@
 """Two real processes on gloo: one rank's overflow makes every rank skip the same step."""
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
+import gloo_ranks
+
 WORKER = Path(__file__).parent / "workers" / "ddp_skip_worker.py"
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(tmp_path, world_size=2, timeout=50, extra=()):
-    port = free_port()
-    procs = []
-    try:
-        for rank in range(world_size):
-            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                       RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                       OMP_NUM_THREADS="1")
-            procs.append(subprocess.Popen(
-                [sys.executable, str(WORKER), "--out", str(tmp_path), *extra], env=env,
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                start_new_session=True))
-        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
-    finally:
-        for p in procs:   # never leave a rank behind, whatever failed
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for rank, (p, out) in enumerate(zip(procs, outputs)):
-        assert p.returncode == 0, f"rank {rank} failed:\n{out}"
+    procs = gloo_ranks.start(WORKER, ["--out", str(tmp_path), *extra], world_size)
+    gloo_ranks.finish(procs, "ddp", timeout)
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world_size)]
 
 

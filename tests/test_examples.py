@@ -38,10 +38,13 @@ SCRIPTS = {
                  "--log-every", "2", "--threads", "1"],
     "distributed": ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                     "examples/distributed.py", "--steps", "20", "--width", "32"],
+    "fsdp": ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+             "examples/fsdp.py", "--steps", "20", "--width", "32", "--blocks", "2"],
     "step_overhead": ["bench/step_overhead.py", "--smoke", "--threads", "1"],
     "train_smoke": ["bench/train.py", "--smoke", "--threads", "1"],   # + --json --plot, per run
     "optimizers": ["bench/optimizers.py", "--smoke", "--threads", "1"],
     "o2_step": ["bench/o2_step.py", "--smoke", "--threads", "1"],
+    "fsdp_bench": ["bench/fsdp.py", "--smoke", "--variants", "torch mp,apex_lite O2"],
 }
 # A stand-in for matplotlib that fails to import, put first on these scripts' path.
 WITHOUT_MATPLOTLIB = {"amp_recipe_no_matplotlib", "train_no_matplotlib"}
@@ -60,7 +63,8 @@ def runs(tmp_path_factory):
     (blocker / "__init__.py").write_text('raise ImportError("blocked by test_examples.py")\n')
     extras = {"amp_recipe": ["--plot", str(out_dir / "amp_recipe.png")],
               "train_smoke": ["--json", str(out_dir / "train.json"),
-                              "--plot", str(out_dir / "train.png")]}
+                              "--plot", str(out_dir / "train.png")],
+              "fsdp": ["--checkpoint", str(out_dir / "fsdp_checkpoint")]}
     processes = {}
     for name, argv in SCRIPTS.items():
         run_env = env
@@ -264,6 +268,22 @@ def test_o2_step_smoke(runs):
                      re.MULTILINE)
 
 
+def test_fsdp_bench_smoke(runs):
+    stdout, _ = _ok(runs, "fsdp_bench")
+    for variant in ("torch mp", "apex_lite O2"):
+        ms, ratio, peak, peak_ratio, steps_peak, steps_ratio = _row(stdout, variant, 6)
+        assert ms > 0 and ratio > 0 and peak > 0 and steps_peak > 0
+    assert re.search(r"^apex_lite O2\s.* " + re.escape(_default_o2_step()), stdout, re.MULTILINE)
+
+
+def _default_o2_step() -> str:
+    """How amp's default O2 step on the CPU begins, as report() says: the fused step where the
+    native kernels serve the CPU (the scripts run with this process's environment)."""
+    from apex_lite.multi_tensor import backend
+    return "fused step" if backend("cpu")[0] == "native" else \
+        "unfused step (the native kernels do not serve cpu"
+
+
 def test_train_smoke_table_and_json(runs):
     stdout, stderr = _ok(runs, "train_smoke")
     for workload in ("mlp", "cnn", "transformer"):
@@ -290,3 +310,16 @@ def test_distributed_example_trains_on_two_ranks(runs):
                      r" +skipped (\d+)/20 +\(2 ranks\)", stdout)
     assert last, stdout
     assert math.isfinite(float(last.group(1))) and int(last.group(3)) == 0
+
+
+def test_fsdp_example_trains_sharded_on_two_ranks(runs):
+    stdout, _ = _ok(runs, "fsdp")
+    first = re.search(r"step +0 +loss " + NUMBER, stdout)
+    last = re.search(r"step +19 +loss " + NUMBER + r" +loss scale " + NUMBER +
+                     r" +skipped (\d+)/20 +\(2 ranks\)", stdout)
+    assert first and last, stdout
+    assert float(last.group(1)) < float(first.group(1))          # it learns
+    assert "optimizer 0 (AdamW): " + _default_o2_step() in stdout
+    assert "all-gathered in torch.bfloat16" in stdout             # O2's half compute, by FSDP2
+    assert "FSDP2: 3 fully_shard unit(s) over 2 rank(s)" in stdout
+    assert re.search(r"saved \S+fsdp_checkpoint at step 20", stdout)   # through DCP

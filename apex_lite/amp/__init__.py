@@ -56,6 +56,11 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     Returns ``(model, optimizer)``, each a list only where a list was passed, or the model(s)
     alone when no optimizer was passed. The objects are the ones passed in, modified in place.
 
+    Models sharded with PyTorch FSDP2 (``fully_shard``) are initialized after sharding and
+    after the optimizer is built over the sharded parameters. At O2 each unit needs
+    ``MixedPrecisionPolicy(param_dtype=half)``, and the sharded fp32 parameters are the master
+    weights; see ``apex_lite.amp.fsdp`` for each level and what is refused.
+
     Keyword-only extensions (their defaults keep apex's behaviour):
       half_dtype: torch.float16 or torch.bfloat16; default fp16 for CUDA models, bf16 for CPU.
       keep_fp32_modules: module types or qualified names (fnmatch patterns allowed) kept fp32
@@ -63,7 +68,8 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
       hysteresis: overflows tolerated before the dynamic scale is halved (1: every overflow).
       scale_window: clean steps before the dynamic scale doubles (apex: 2000).
       process_group: the group the overflow flag is all-reduced over when torch.distributed is
-        initialised (default: the default group).
+        initialised (default: the default group; on a model sharded with FSDP2, the group of
+        its device mesh).
       overflow_patience: after this many steps in a row skipped with the loss scale at its
         floor (min_loss_scale; a static scale; or, without min_loss_scale, any consecutive
         skips), raise ``OverflowStuckError``, which says whether the loss itself was inf/NaN and

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .. import multi_tensor
+from ..optimizers.update import local_shards
 from .casting import apply_to_floats
 from .scaler import SMALLEST_LOSS_SCALE
 
@@ -163,7 +164,9 @@ def nonfinite_gradient_names(run, amp_optimizers) -> List[str]:
             seen.update(id(master) for master in group.masters)
             if not pairs:
                 continue
-            flags = multi_tensor.nonfinite_flags([grad for _, grad in pairs]).tolist()
+            # This rank's shards of FSDP2's gradients.
+            flags = multi_tensor.nonfinite_flags(
+                local_shards([grad for _, grad in pairs])).tolist()
             names.extend(run.param_name(p) for (p, _), bad in zip(pairs, flags) if bad)
     return names
 

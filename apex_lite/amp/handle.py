@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from . import casting, diagnostics
+from . import casting, diagnostics, fsdp
 from . import report as report_module
 from .opt_levels import OPT_LEVELS, Properties, resolve_properties
 from . import step_path
@@ -88,6 +88,8 @@ class _Run:
         self.master_of: Dict[torch.Tensor, torch.Tensor] = {}
         self.model_of: Dict[torch.Tensor, torch.Tensor] = {}
         self.optimizers: List[AmpOptimizer] = []
+        # The FSDP2 units of the models (fsdp.Sharding), or None when none is sharded.
+        self.sharding: Optional[fsdp.Sharding] = None
 
     def record_placement(self) -> None:
         """Remember each model's first parameter and its device (after the casts, which keep
@@ -122,7 +124,11 @@ class _Run:
             now = None if slot is None else slot[0]._parameters.get(slot[1])
             if now is first and (now is None or now.device == device):
                 continue
+            if fsdp.registered_unsharded(first, now):
+                continue   # FSDP2 keeps the unit unsharded between its forward and backward
             label = f"model {i}" if len(self.models) > 1 else "the model"
+            if self.sharding is None and fsdp.newly_sharded(self.models[i]):
+                raise fsdp.sharded_after_initialize(caller, label)
             what = (f"its parameters are now on {now.device}, but were on {device} when "
                     f"amp.initialize ran" if now is first else
                     f"its parameters are not the tensors amp.initialize set up (now on "
@@ -501,6 +507,14 @@ class AmpHandle:
             raise ValueError(f"keep_fp32_modules keeps modules fp32 inside a model cast to half "
                              f"(O2, O3), but {opt_level} does not cast the model to half")
         casting.check_keep_rules(model_list, keep_fp32_modules)
+        sharding = fsdp.inspect(model_list)
+        if sharding is not None:
+            kept = [casting.modules_kept_fp32(m, bool(properties.keep_batchnorm_fp32),
+                                              keep_fp32_modules) if casts_to_half else []
+                    for m in model_list]
+            sharding.check(properties, kept)
+            sharding.check_optimizers(opt_list, {id(p) for m in model_list
+                                                 for p in m.parameters()})
         if len({id(o) for o in opt_list}) != len(opt_list):
             raise ValueError("the same optimizer appears twice in optimizers; pass each once")
         for i, opt in enumerate(opt_list):
@@ -511,6 +525,8 @@ class AmpHandle:
                     f"optimizer over the new model's parameters and pass both.")
         unfused_whys = [step_path.choose(opt, i, properties, fused_step)
                         for i, opt in enumerate(opt_list)]
+        if sharding is not None and process_group is None:
+            process_group = sharding.process_group()   # every rank of the mesh decides together
         run = _Run(properties, model_list, num_losses=num_losses, verbosity=verbosity,
                    min_loss_scale=min_loss_scale, max_loss_scale=float(max_loss_scale),
                    hysteresis=hysteresis, scale_window=scale_window, process_group=process_group,
@@ -536,6 +552,7 @@ class AmpHandle:
                         f"or use one optimizer with a param group per learning rate.")
 
         # Now change things: cast the models, wrap their forwards, take over the optimizers.
+        run.sharding = sharding
         if self._run is not None and self._run.enabled:
             for amp_opt in self._run.optimizers:   # the previous run's watches on the models
                 amp_opt.uninstall_watches()
@@ -575,7 +592,9 @@ class AmpHandle:
             if props.master_weights:
                 # Masters are the original fp32 values, before the cast rounds them.
                 for name, p in model.named_parameters():
-                    if p.is_floating_point() and id(p) not in kept_params:
+                    # FSDP2's sharded fp32 parameters are their own masters (fsdp.py).
+                    if p.is_floating_point() and id(p) not in kept_params \
+                            and not fsdp.is_sharded(p):
                         # A parameter shared with a model prepared before keeps its master.
                         master = run.master_of.get(p)
                         if master is None:
@@ -588,7 +607,11 @@ class AmpHandle:
                             run.master_of[p] = master
                             run.model_of[master] = p
                         run.master_pairs[index].append((name, p, master))
-            casting.cast_model(model, cast_type, kept)
+            if run.sharding is not None:
+                run.sharding.cast_model(model, cast_type, kept,
+                                        cast_shards=not props.master_weights)
+            else:
+                casting.cast_model(model, cast_type, kept)
             if run.master_pairs[index]:
                 _follow_model_loads(model, run.master_pairs[index])
             model.register_state_dict_post_hook(_Fp32StateDict(run.master_pairs[index]))

@@ -42,12 +42,15 @@ from __future__ import annotations
 
 import functools
 import types
+import weakref
 from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
 from ..multi_tensor import _python
 from ..multi_tensor._backend import ops_for
+from ..optimizers.update import local_shards
+from . import fsdp
 from .overflow import OverflowCheck
 from .scaler import BackwardScale
 
@@ -65,6 +68,7 @@ Scale = Union[float, torch.Tensor]
 # outputs that are either the inputs or distinct tensors of the same shapes. A scale may be a
 # 1-element device tensor (a loss scale kept on the device): torch's check-and-unscale op takes
 # it without a host read, through the Python backend (the native kernels' reference, bit for bit).
+# DTensors (FSDP2's shards) are passed as their local shards (``local_shards``).
 def _ops(scale: Scale, found_inf: torch.Tensor):
     return _python if isinstance(scale, torch.Tensor) else ops_for(found_inf.device)
 
@@ -75,7 +79,10 @@ def fused_scale(inputs: List[torch.Tensor], outputs: List[torch.Tensor], scale: 
     ops = _ops(scale, found_inf)
     if not isinstance(scale, torch.Tensor):
         scale = float(scale)
-    if outputs is inputs:
+    same = outputs is inputs
+    inputs = local_shards(inputs)
+    outputs = inputs if same else local_shards(outputs)
+    if same:
         ops.scale_(inputs, scale, found_inf)
     else:
         ops.scale_out(inputs, outputs, scale, found_inf)
@@ -85,13 +92,13 @@ def fused_accumulate(new: List[torch.Tensor], into: List[torch.Tensor], scale: S
                      found_inf: torch.Tensor) -> None:
     """``into += scale * new`` (``multi_tensor.axpby`` in place) for lists amp built."""
     ops = _ops(scale, found_inf)
-    ops.axpby_(new, into, scale if isinstance(scale, torch.Tensor) else float(scale), 1.0,
-               found_inf)
+    ops.axpby_(local_shards(new), local_shards(into),
+               scale if isinstance(scale, torch.Tensor) else float(scale), 1.0, found_inf)
 
 
 def flag_nonfinite(tensors: List[torch.Tensor], found_inf: torch.Tensor) -> None:
     """Set ``found_inf`` when one of ``tensors`` holds inf or NaN; reads only, no sync."""
-    bad = ops_for(found_inf.device).nonfinite_flags(tensors).any()
+    bad = ops_for(found_inf.device).nonfinite_flags(local_shards(tensors)).any()
     torch.maximum(found_inf, bad.to(found_inf.dtype).reshape(1), out=found_inf)
 
 
@@ -515,8 +522,8 @@ class AmpOptimizer:
         by_device: Dict[torch.device, List[torch.Tensor]] = {}
         for grad in grads:
             by_device.setdefault(grad.device, []).append(grad)
-        norms = [ops_for(device).l2norm(tensors, False)[0].to("cpu")
-                 for device, tensors in by_device.items()]
+        # Whole-tensor norms (FSDP2's shards summed over the mesh): every rank decides alike.
+        norms = [fsdp.squared_norm(tensors).to("cpu") for tensors in by_device.values()]
         if float(torch.cat(norms).sum()) == 0.0:
             return   # zeros left by zero_grad(set_to_none=False): a no-op step, as in torch
         raise RuntimeError(
@@ -622,16 +629,22 @@ class _ForeignBackward:
     the gradients are cleared, and step() refuses. (amp unscales and checks a gradient when its
     block exits; one written later would be applied unscaled, still scaled, or dropped.) One
     Python call per parameter per backward; not pickled or copied with the model (torch keeps no
-    hooks there)."""
+    hooks there).
+
+    It holds its AmpOptimizer weakly: torch keeps a parameter's post-accumulate-grad hooks in
+    its autograd metadata, where the garbage collector does not look, so a strong reference
+    (AmpOptimizer -> model parameter -> hook -> AmpOptimizer) would keep the model, the
+    optimizer and amp's run alive for the life of the process."""
 
     __slots__ = ("amp_opt",)
 
     def __init__(self, amp_opt: "AmpOptimizer"):
-        self.amp_opt = amp_opt
+        self.amp_opt = weakref.ref(amp_opt)
 
     def __call__(self, param: torch.Tensor) -> None:
-        if not self.amp_opt.in_scale_loss:
-            self.amp_opt.foreign_backward = True
+        amp_opt = self.amp_opt()
+        if amp_opt is not None and not amp_opt.in_scale_loss:
+            amp_opt.foreign_backward = True
 
 
 def _make_method(name: str):

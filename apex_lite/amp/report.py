@@ -8,6 +8,7 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 from .. import multi_tensor
+from ..optimizers.update import local_shards
 
 TENSOR_CORE_MULTIPLE = 8
 
@@ -20,7 +21,8 @@ class AmpReport:
     ``step_paths`` one line per optimizer (fused or unfused step, and why);
     ``kept_fp32`` the modules kept fp32 per model; ``backends[device] = (name, why)``;
     ``not_multiple_of_8`` one line per Linear/Conv whose matmul dimensions are not multiples of 8
-    (fp16/bf16 tensor cores want them). ``str()`` gives the readable report."""
+    (fp16/bf16 tensor cores want them); ``sharding`` lines on a model sharded with FSDP2, whose
+    tensors are counted as this rank's shards. ``str()`` gives the readable report."""
     opt_level: str
     half_dtype: torch.dtype
     tensors: Dict[str, Dict[torch.dtype, Tuple[int, int]]]
@@ -29,6 +31,7 @@ class AmpReport:
     not_multiple_of_8: List[str]
     bytes_per_parameter: float = 0.0
     step_paths: List[str] = dataclasses.field(default_factory=list)
+    sharding: List[str] = dataclasses.field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"apex_lite.amp report: opt_level {self.opt_level}, half dtype {self.half_dtype}"]
@@ -38,6 +41,7 @@ class AmpReport:
             for dtype, (count, nbytes) in sorted(per_dtype.items(), key=lambda kv: str(kv[0])):
                 lines.append(f"  {kind}: {count} {dtype} tensors, {_size(nbytes)}")
         lines.append(f"  bytes held per model parameter: {self.bytes_per_parameter:.2f}")
+        lines.extend(f"  {line}" for line in self.sharding)
         lines.extend(f"  {line}" for line in self.step_paths)
         for i, names in enumerate(self.kept_fp32):
             label = f"model {i}" if len(self.kept_fp32) > 1 else "model"
@@ -62,12 +66,15 @@ def _size(nbytes: int) -> str:
 
 
 def _tally(tensors) -> Dict[torch.dtype, Tuple[int, int]]:
+    """Count and bytes per dtype (a DTensor's bytes are this rank's shard's)."""
     out: Dict[torch.dtype, Tuple[int, int]] = {}
     seen = set()
+    unique = []
     for t in tensors:
-        if t is None or id(t) in seen:
-            continue
-        seen.add(id(t))
+        if t is not None and id(t) not in seen:
+            seen.add(id(t))
+            unique.append(t)
+    for t in local_shards(unique):
         count, nbytes = out.get(t.dtype, (0, 0))
         out[t.dtype] = (count + 1, nbytes + t.numel() * t.element_size())
     return out
@@ -101,7 +108,7 @@ def build_report(run, models: Sequence[torch.nn.Module],
              for v in per_param.values() if isinstance(v, torch.Tensor)]
     tensors = {"parameters": _tally(params), "gradients": _tally(grads),
                "master weights": _tally(masters), "optimizer state": _tally(state)}
-    elements = sum(p.numel() for p in {id(p): p for p in params}.values())
+    elements = sum(p.numel() for p in local_shards(list({id(p): p for p in params}.values())))
     held = sum(nbytes for per_dtype in tensors.values() for _, nbytes in per_dtype.values())
     paths = []
     for i, opt in enumerate(optimizers):
@@ -119,4 +126,19 @@ def build_report(run, models: Sequence[torch.nn.Module],
         kept_fp32=kept,
         backends={d: multi_tensor.backend(torch.device(d)) for d in devices},
         not_multiple_of_8=_dimension_lines(models),
+        sharding=[] if run.sharding is None else _sharding_lines(run.sharding, held),
     )
+
+
+def _sharding_lines(sharding, held: int) -> List[str]:
+    """This rank's memory on FSDP2: ``held`` (its shards of parameters, gradients and optimizer
+    state) plus the unsharded parameters of the unit computing."""
+    label, nbytes, dtypes = sharding.largest_unit()
+    return [
+        f"FSDP2: {len(sharding.units)} fully_shard unit(s) over {sharding.world_size()} "
+        f"rank(s); the sizes above are this rank's shards",
+        f"this rank holds {_size(held)}, plus the parameters of the unit being computed, "
+        f"all-gathered in {', '.join(dtypes)}: at most {_size(nbytes)} ({label}; units left "
+        f"unsharded after forward, such as the root by default, keep theirs until their "
+        f"backward, and prefetching can hold the next unit too)",
+    ]

@@ -31,10 +31,11 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..multi_tensor._backend import backend, ops_for
+from ..multi_tensor._backend import backend
 from ..optimizers import fusable
 from ..optimizers.fused_lamb import LambUpdate, global_grad_norm
 from ..optimizers.update import FusedUpdate
+from . import fsdp
 from .optimizer import CHECKED, CLEAN, SCALED, UNSCALED, fused_scale, flag_nonfinite
 from .scaler import BackwardScale
 
@@ -108,9 +109,10 @@ class UnfusedStep:
 
 
 def _clip_master_grads(amp_opt, max_norm: float, norm_type: float) -> torch.Tensor:
-    """torch's clip_grad_norm_ over the masters' (true) gradients."""
+    """torch's clip_grad_norm_ over the masters' (true) gradients (over whole tensors when
+    FSDP2 shards them)."""
     params = [p for p in amp_opt.masters() if p.grad is not None]
-    return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+    return fsdp.clip_grad_norm_(params, max_norm, norm_type)
 
 
 class _Bucket:
@@ -274,9 +276,8 @@ class FusedStep:
         for device, group in amp_opt.groups().items():
             grads = [p.grad for p in group.model_params if p.grad is not None]
             if grads:
-                total, _ = ops_for(device).l2norm(grads, False)
                 anchor = device if anchor is None else anchor
-                squares.append(total.to(anchor).square())
+                squares.append(fsdp.squared_norm(grads).to(anchor))
         if anchor is None:
             return torch.zeros((), dtype=torch.float32)
         inv = amp_opt.pending.inv

@@ -54,6 +54,7 @@ class LambUpdate(FusedUpdate):
     """One ``fused_lamb_`` call for one param group on one device."""
 
     kind = "lamb"
+    needs_whole_parameters = True   # the trust ratio: ||param|| / ||update|| per parameter
 
     @torch.no_grad()
     def __call__(self, state: Dict[torch.Tensor, dict], inv_scale: torch.Tensor,

@@ -27,6 +27,10 @@ parameters of one param group on one device, in three aligned lists given at con
 - ``grads``: gradients aligned with ``params`` to use instead of ``grad_sources``' ``.grad``
   (amp passes the materialised fp32 master gradients this way).
 
+Parameters may be DTensors (PyTorch FSDP2's shards): the state is then created as DTensors
+like them (what torch's optimizers and torch.distributed.checkpoint expect), and the op takes
+every tensor's local shard, looked up at each call (FSDP2 may re-register a shard's storage).
+
 Parameters whose gradient is None are skipped, as torch does. The tensor lists handed to the op
 are built once and reused while the set of parameters with a gradient, the ``state`` dict object
 and its number of entries stay the same; a new param group, a loaded state dict or a first state
@@ -38,13 +42,14 @@ from __future__ import annotations
 
 import itertools
 import operator
+import sys
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from ..multi_tensor._backend import ops_for
 
-__all__ = ["FusedUpdate", "unit_scalars"]
+__all__ = ["FusedUpdate", "unit_scalars", "local_shards"]
 
 STEPPED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -72,6 +77,23 @@ def is_unit_found_inf(found_inf: torch.Tensor, device: torch.device) -> bool:
     return pair is not None and found_inf is pair[1]
 
 
+def dtensor_class() -> Optional[type]:
+    """torch's DTensor class, or None while nothing has imported it (then no tensor can be one;
+    importing it here would add half a second to every ``import apex_lite``)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
+def local_shards(tensors: List) -> List:
+    """``tensors`` with each DTensor replaced by its local shard (what the multi-tensor ops take;
+    writes to it are writes to the DTensor); the same list object when none is a DTensor."""
+    dtensor = dtensor_class()
+    if dtensor is None or not any(isinstance(t, dtensor) for t in tensors):
+        return tensors
+    with torch.no_grad():   # to_local() is then the shard itself, not an autograd view of it
+        return [t.to_local() if isinstance(t, dtensor) else t for t in tensors]
+
+
 def zeros32(param: torch.Tensor) -> torch.Tensor:
     """A fresh fp32 state tensor shaped and laid out like ``param``."""
     return torch.zeros_like(param, dtype=torch.float32, memory_format=torch.preserve_format)
@@ -87,11 +109,20 @@ class _Plan:
         self.model_params = model_params
         self.lists = lists                  # the subclass's state lists, in the op's order
 
+    def local(self) -> "_Plan":
+        """The same plan over the local shards of its DTensors, for one call (lists without
+        DTensors, such as SGD's indices of new buffers, stay the plan's own objects)."""
+        return _Plan(self.picks, local_shards(self.params), local_shards(self.model_params),
+                     tuple(local_shards(l) if isinstance(l, list) else l for l in self.lists))
+
 
 class FusedUpdate:
     """The fused step of one param group on one device (see the module docstring)."""
 
     kind = ""            # "sgd", "adam", "lamb": for messages
+    # Whether the update needs norms of whole parameters (LAMB's trust ratio), which the op
+    # cannot compute from FSDP2's shards: such an update refuses DTensor parameters.
+    needs_whole_parameters = False
 
     def __init__(self, params: Sequence[torch.Tensor],
                  grad_sources: Optional[Sequence[torch.Tensor]] = None,
@@ -102,6 +133,16 @@ class FusedUpdate:
         self.model_params: List[torch.Tensor] = [] if model_params is None else list(model_params)
         self.label = label or f"fused {self.kind} update"
         self.device: Optional[torch.device] = self.params[0].device if self.params else None
+        dtensor = dtensor_class()
+        # FSDP2's shards: the op takes their local tensors (``local_shards``), at every call.
+        self.sharded = dtensor is not None and any(isinstance(t, dtensor) for t in self.params)
+        if self.sharded and self.needs_whole_parameters:
+            raise ValueError(
+                f"{self.label}: its parameters are DTensors (sharded by FSDP2's fully_shard), "
+                f"and the {self.kind} update needs each parameter's whole norm (the trust "
+                f"ratio), which the op cannot compute from one rank's shard. Use FusedAdam or "
+                f"torch.optim.AdamW on a sharded model, or train this model without "
+                f"fully_shard.")
         self._check_lists()
         self._plan: Optional[_Plan] = None
         self._plan_state: Optional[dict] = None
@@ -165,6 +206,8 @@ class FusedUpdate:
             self._plan_key = (mask, len(state), self._flavour(hyper))
         if plan.picks is not None:
             grads = [grads[i] for i in plan.picks]
+        if self.sharded:
+            plan, grads = plan.local(), local_shards(grads)
         ops = ops_for(self.device)
         try:
             self._launch(ops, plan, state, grads, inv_scale, found_inf, hyper, *extra)
