@@ -6,11 +6,12 @@ loss scaling and fused step change. Each variant runs in its own process (peak m
 process's), in turn:
 
   fp32 AdamW(fused)    torch.optim.AdamW(fused=True) on fp32 parameters: the baseline
-  O2 AdamW             amp O2 with torch.optim.AdamW: amp's fused step (the default)
+  O2 AdamW             amp O2 with torch.optim.AdamW: amp's fused step (fused_step=True: the
+                       default with native kernels; without them the Python reference)
   O2 AdamW unfused     the same with fused_step=False: fp32 master gradients, torch's step
-  O2 FusedAdam         amp O2 with apex_lite.optimizers.FusedAdam
+  O2 FusedAdam         amp O2 with apex_lite.optimizers.FusedAdam (fused_step=True)
   fp32 SGD(fused)      torch.optim.SGD(fused=True), no momentum, on fp32 parameters
-  O2 SGD               amp O2 with torch.optim.SGD: the fused step
+  O2 SGD               amp O2 with torch.optim.SGD: the fused step (fused_step=True)
   O2 SGD unfused       fused_step=False
 
 Reported per variant: the median ms of backward + step over the timed steps, the growth of the
@@ -34,6 +35,8 @@ import sys
 import time
 
 import torch
+
+from apex_lite.multi_tensor import _backend
 
 VARIANTS = ["fp32 AdamW(fused)", "O2 AdamW", "O2 AdamW unfused", "O2 FusedAdam",
             "fp32 SGD(fused)", "O2 SGD", "O2 SGD unfused"]
@@ -102,7 +105,7 @@ def run_variant(name: str, args) -> dict:
     o2 = name.startswith("O2")
     if o2:
         model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0,
-                                    fused_step=False if name.endswith("unfused") else None)
+                                    fused_step=not name.endswith("unfused"))
     tensors = tuple(model.params)
     # The peak of the steps alone: initialisation transients (O2 casting the model) left out.
     step_peak_counted = _reset_peak()
@@ -154,6 +157,8 @@ def main() -> None:
     print(f"bench/o2_step.py: {args.params:,} parameters in {args.tensors} tensors, backward + "
           f"step, median of {args.steps} steps, each variant in its own process")
     print(f"cpu: {_cpu_line()}")
+    backend, why = _backend.backend(torch.device("cpu"))
+    print(f"multi_tensor backend: {backend} ({why})")
     results = {}
     for name in args.variants.split(","):
         child = [sys.executable, __file__, "--variant", name, "--params", str(args.params),
