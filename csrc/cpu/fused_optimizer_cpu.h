@@ -69,6 +69,67 @@ inline void check_steps(const char* op, at::TensorList steps, at::TensorList par
   }
 }
 
+// Every per-tensor condition of check_step_args' lists, check_state_list (exp_avgs,
+// exp_avg_sqs) and check_steps, in one scan over an Adam-like call's lists: with thousands of
+// small tensors each scan of their metadata misses the cache, so the checks cost more than
+// scanning once. True when all of them hold, with all_contiguous set; false sends the caller to
+// the checks themselves, which raise the first failure's error as they always did.
+inline bool adam_lists_pass_checks(at::TensorList params, at::TensorList grads,
+                                   at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                                   at::TensorList model_params, at::TensorList steps,
+                                   bool& all_contiguous) {
+  const size_t n = params.size();
+  const bool has_model = !model_params.empty();
+  if (grads.size() != n || exp_avgs.size() != n || exp_avg_sqs.size() != n ||
+      steps.size() != n || (has_model && model_params.size() != n)) {
+    return false;
+  }
+  const auto stepped = [](const at::Tensor& t) {
+    return is_supported_dtype(t.scalar_type()) && t.device().is_cpu();
+  };
+  const auto fp32_cpu = [](const at::Tensor& t) {
+    return t.scalar_type() == at::kFloat && t.device().is_cpu();
+  };
+  bool contiguous = true;
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = params[i];
+    const at::IntArrayRef sizes = p.sizes();
+    if (!stepped(p) || !stepped(grads[i]) || grads[i].sizes() != sizes ||
+        !fp32_cpu(exp_avgs[i]) || exp_avgs[i].sizes() != sizes || !fp32_cpu(exp_avg_sqs[i]) ||
+        exp_avg_sqs[i].sizes() != sizes || !fp32_cpu(steps[i]) || steps[i].numel() != 1) {
+      return false;
+    }
+    contiguous = contiguous && p.is_contiguous() && grads[i].is_contiguous() &&
+                 exp_avgs[i].is_contiguous() && exp_avg_sqs[i].is_contiguous();
+    if (has_model) {
+      const at::Tensor& m = model_params[i];
+      if (!stepped(m) || m.sizes() != sizes) return false;
+      contiguous = contiguous && m.is_contiguous();
+    }
+  }
+  all_contiguous = contiguous;
+  return true;
+}
+
+// What fused_adam_ and fused_lamb_ check: their lists (one scan when all is well) and the
+// 1-element tensors. Returns whether every tensor is contiguous.
+inline bool check_adam_args(const char* op, at::TensorList params, at::TensorList grads,
+                            at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                            at::TensorList model_params, at::TensorList steps,
+                            const at::Tensor& inv_scale, const at::Tensor& found_inf) {
+  bool all_contiguous = false;
+  if (!adam_lists_pass_checks(params, grads, exp_avgs, exp_avg_sqs, model_params, steps,
+                              all_contiguous)) {
+    check_step_args(op, params, grads, model_params, inv_scale, found_inf);
+    check_state_list(op, "exp_avgs", exp_avgs, params);
+    check_state_list(op, "exp_avg_sqs", exp_avg_sqs, params);
+    check_steps(op, steps, params);
+  }
+  check_scalar_tensor(op, "inv_scale", inv_scale);
+  check_found_inf(op, found_inf);
+  return all_contiguous;
+}
+
 // ---- step counts --------------------------------------------------------------------------
 
 // 1 - beta1**count and 1 - beta2**count for the step a tensor is about to take.
@@ -76,31 +137,6 @@ struct BiasCorrection {
   float bc1 = 1.0f;
   float bc2 = 1.0f;
 };
-
-// Per tensor: the count steps[i] + 1 in double, the corrections in double, then fp32; all 1
-// without bias correction. Tensors with the same count (the common case) share one pow.
-inline std::vector<BiasCorrection> bias_corrections(at::TensorList steps, double beta1,
-                                                    double beta2, bool enabled) {
-  std::vector<BiasCorrection> out(steps.size());
-  if (!enabled) return out;
-  double last_count = std::numeric_limits<double>::quiet_NaN();
-  BiasCorrection last;
-  for (size_t i = 0; i < steps.size(); ++i) {
-    const double count = static_cast<double>(read_scalar(steps[i])) + 1.0;
-    if (count != last_count) {
-      last.bc1 = static_cast<float>(1.0 - std::pow(beta1, count));
-      last.bc2 = static_cast<float>(1.0 - std::pow(beta2, count));
-      last_count = count;
-    }
-    out[i] = last;
-  }
-  return out;
-}
-
-// steps[i] += 1 in fp32, once every count has been read.
-inline void increment_steps(at::TensorList steps) {
-  for (const at::Tensor& s : steps) *s.data_ptr<float>() += 1.0f;
-}
 
 // ---- storage types ------------------------------------------------------------------------
 
@@ -313,31 +349,52 @@ using AdamStepFn = void (*)(const AdamConstants&, const AdamTensor&, int64_t, in
 // non-contiguous originals (parameters, moments, model parameters).
 class AdamLists {
  public:
+  // all_contiguous (from check_adam_args): no tensor needs a stand-in, none is looked at again.
   AdamLists(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-            at::TensorList exp_avg_sqs, at::TensorList model_params)
-      : params_(params, ContiguousList::Use::kRead),
-        grads_(grads, ContiguousList::Use::kRead),
-        exp_avgs_(exp_avgs, ContiguousList::Use::kRead),
-        exp_avg_sqs_(exp_avg_sqs, ContiguousList::Use::kRead),
-        model_params_(model_params, ContiguousList::Use::kWrite) {}
+            at::TensorList exp_avg_sqs, at::TensorList model_params, bool all_contiguous)
+      : params_(staged(params, ContiguousList::Use::kRead, all_contiguous)),
+        grads_(staged(grads, ContiguousList::Use::kRead, all_contiguous)),
+        exp_avgs_(staged(exp_avgs, ContiguousList::Use::kRead, all_contiguous)),
+        exp_avg_sqs_(staged(exp_avg_sqs, ContiguousList::Use::kRead, all_contiguous)),
+        model_params_(staged(model_params, ContiguousList::Use::kWrite, all_contiguous)) {}
 
   at::TensorList params() const { return params_.list(); }
 
-  // One AdamTensor per parameter, with its bias corrections and step_size as its factor.
-  std::vector<AdamTensor> tensors(const std::vector<BiasCorrection>& bias, float step_size) const {
+  // Starts the step: one AdamTensor per parameter, with step_size as its factor and the bias
+  // corrections of its count (the count steps[i] + 1 in double, the corrections in double, then
+  // fp32; all 1 without bias correction; tensors with the same count, the common case, share one
+  // pow), and steps[i] += 1 in fp32 once every count has been read (a step tensor passed for two
+  // parameters is read twice, then incremented twice). One scan over the lists: the pass reads
+  // nothing of the tensors but what this returns.
+  std::vector<AdamTensor> start_step(at::TensorList steps, double beta1, double beta2,
+                                     bool bias_correction, float step_size) const {
     const at::TensorList params = params_.list(), grads = grads_.list();
     const at::TensorList exp_avgs = exp_avgs_.list(), exp_avg_sqs = exp_avg_sqs_.list();
     const at::TensorList models = model_params_.list();
-    std::vector<AdamTensor> out(params.size());
-    for (size_t i = 0; i < params.size(); ++i) {
+    const size_t n = params.size();
+    std::vector<AdamTensor> out(n);
+    std::vector<float*> counts(n);
+    double last_count = std::numeric_limits<double>::quiet_NaN();
+    BiasCorrection bias;
+    for (size_t i = 0; i < n; ++i) {
+      counts[i] = steps[i].data_ptr<float>();
+      if (bias_correction) {
+        const double count = static_cast<double>(*counts[i]) + 1.0;
+        if (count != last_count) {
+          bias.bc1 = static_cast<float>(1.0 - std::pow(beta1, count));
+          bias.bc2 = static_cast<float>(1.0 - std::pow(beta2, count));
+          last_count = count;
+        }
+      }
       out[i] = AdamTensor{params[i].data_ptr(),
                           grads[i].data_ptr(),
                           exp_avgs[i].data_ptr<float>(),
                           exp_avg_sqs[i].data_ptr<float>(),
                           models.empty() ? nullptr : models[i].data_ptr(),
-                          bias[i],
+                          bias,
                           step_size};
     }
+    for (float* count : counts) *count += 1.0f;
     return out;
   }
 
@@ -355,6 +412,11 @@ class AdamLists {
   }
 
  private:
+  static ContiguousList staged(at::TensorList tensors, ContiguousList::Use use,
+                               bool all_contiguous) {
+    return all_contiguous ? ContiguousList(tensors) : ContiguousList(tensors, use);
+  }
+
   ContiguousList params_, grads_, exp_avgs_, exp_avg_sqs_, model_params_;
 };
 
