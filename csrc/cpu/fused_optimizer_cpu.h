@@ -14,6 +14,7 @@
 #include "multi_tensor_cpu.h"
 
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -420,6 +421,27 @@ class AdamLists {
   ContiguousList params_, grads_, exp_avgs_, exp_avg_sqs_, model_params_;
 };
 
+// Bytes at the start of each array of the next tensor that a thread asks for before it steps the
+// current one (4000 tensors of 2500 elements, O2: 256 to 10240 bytes all took 0.7-1 ms off
+// about 10.5 ms; 1024 as much as any).
+constexpr int64_t kPrefetchHeadBytes = 1024;
+
+// Small tensors are separate allocations, and the hardware prefetcher starts over at each array
+// of each tensor: a few demand misses per array before it runs ahead again. Asking for the next
+// tensor's first lines while the current one is stepped hides them. A prefetch never faults, so
+// arrays shorter than that and absent ones (nullptr) are harmless.
+// (Addresses as integers: the bytes past a short array are no object to point into.)
+inline void prefetch_heads(const AdamTensor& t) {
+  const void* arrays[] = {t.param, t.grad, t.exp_avg, t.exp_avg_sq, t.model};
+  for (const void* a : arrays) {
+    if (a == nullptr) continue;
+    const auto start = reinterpret_cast<uintptr_t>(a);
+    for (int64_t b = 0; b < kPrefetchHeadBytes; b += 64) {
+      __builtin_prefetch(reinterpret_cast<const void*>(start + static_cast<uintptr_t>(b)));
+    }
+  }
+}
+
 // The one parallel pass of AdamStep<P, G, M> over every parameter of the call.
 inline void adam_step_pass(const AdamConstants& c, const AdamLists& lists,
                            const std::vector<AdamTensor>& tensors) {
@@ -429,7 +451,9 @@ inline void adam_step_pass(const AdamConstants& c, const AdamLists& lists,
     kernels[i] = step_kernel_for<AdamStep>(params[i].scalar_type(), lists.grad_dtype(i),
                                            lists.model(i));
   }
+  const int64_t n = static_cast<int64_t>(tensors.size());
   parallel_segments(element_offsets(params), [&](int64_t t, int64_t begin, int64_t length) {
+    if (begin == 0 && t + 1 < n) prefetch_heads(tensors[t + 1]);
     kernels[t](c, tensors[t], begin, length);
   });
 }
