@@ -391,8 +391,7 @@ class AdamLists {
   // corrections of its count (the count steps[i] + 1 in double, the corrections in double, then
   // fp32; all 1 without bias correction; tensors with the same count, the common case, share one
   // pow), and steps[i] += 1 in fp32 once every count has been read (a step tensor passed for two
-  // parameters is read twice, then incremented twice). One scan over the lists: the pass reads
-  // nothing of the tensors but what this returns.
+  // parameters is read twice, then incremented twice). One scan over the lists.
   std::vector<AdamTensor> start_step(at::TensorList steps, double beta1, double beta2,
                                      bool bias_correction, float step_size) const {
     const at::TensorList params = params_.list(), grads = grads_.list();
