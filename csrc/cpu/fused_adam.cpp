@@ -33,21 +33,17 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
                  const at::Tensor& inv_scale, const at::Tensor& found_inf, double lr, double beta1,
                  double beta2, double eps, double weight_decay, bool adam_w_mode,
                  bool bias_correction) {
-  const char* op = "fused_adam_";
-  check_step_args(op, params, grads, model_params, inv_scale, found_inf);
-  check_state_list(op, "exp_avgs", exp_avgs, params);
-  check_state_list(op, "exp_avg_sqs", exp_avg_sqs, params);
-  check_steps(op, steps, params);
+  const bool all_contiguous = check_adam_args("fused_adam_", params, grads, exp_avgs,
+                                              exp_avg_sqs, model_params, steps, inv_scale,
+                                              found_inf);
   if (read_scalar(found_inf) != 0.0f || params.empty()) return;
 
   const AdamConstants c =
       adam_constants(inv_scale, beta1, 1.0 - beta1, beta2, eps, weight_decay, adam_w_mode);
-  const AdamLists lists(params, grads, exp_avgs, exp_avg_sqs, model_params);
+  const AdamLists lists(params, grads, exp_avgs, exp_avg_sqs, model_params, all_contiguous);
   adam_step_pass(c, lists,
-                 lists.tensors(bias_corrections(steps, beta1, beta2, bias_correction),
-                               static_cast<float>(lr)));
+                 lists.start_step(steps, beta1, beta2, bias_correction, static_cast<float>(lr)));
   lists.write_back();
-  increment_steps(steps);
 }
 
 }  // namespace

@@ -133,10 +133,8 @@ void fused_lamb_(at::TensorList params, at::TensorList grads, at::TensorList exp
                  double weight_decay, bool adam_w_mode, bool bias_correction, bool grad_averaging,
                  double max_grad_norm, bool use_nvlamb) {
   const char* op = "fused_lamb_";
-  check_step_args(op, params, grads, model_params, inv_scale, found_inf);
-  check_state_list(op, "exp_avgs", exp_avgs, params);
-  check_state_list(op, "exp_avg_sqs", exp_avg_sqs, params);
-  check_steps(op, steps, params);
+  const bool all_contiguous = check_adam_args(op, params, grads, exp_avgs, exp_avg_sqs,
+                                              model_params, steps, inv_scale, found_inf);
   check_scalar_tensor(op, "grad_norm", grad_norm);
   if (read_scalar(found_inf) != 0.0f || params.empty()) return;
 
@@ -148,9 +146,9 @@ void fused_lamb_(at::TensorList params, at::TensorList grads, at::TensorList exp
   c.clip = c.clip_grad ? norm / limit : 1.0f;
 
   const float lr32 = static_cast<float>(lr);
-  const AdamLists lists(params, grads, exp_avgs, exp_avg_sqs, model_params);
+  const AdamLists lists(params, grads, exp_avgs, exp_avg_sqs, model_params, all_contiguous);
   std::vector<AdamTensor> tensors =
-      lists.tensors(bias_corrections(steps, beta1, beta2, bias_correction), lr32);
+      lists.start_step(steps, beta1, beta2, bias_correction, lr32);
   if (use_nvlamb || weight_decay != 0.0) {
     lamb_trust_ratios(c, lists, tensors, lr32);
     lamb_apply(c, lists, tensors);
@@ -158,7 +156,6 @@ void fused_lamb_(at::TensorList params, at::TensorList grads, at::TensorList exp
     adam_step_pass(c, lists, tensors);
   }
   lists.write_back();
-  increment_steps(steps);
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 #include "multi_tensor_cpu.h"
 
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -69,6 +70,93 @@ inline void check_steps(const char* op, at::TensorList steps, at::TensorList par
   }
 }
 
+// How many tensors ahead the scans over a call's tensor metadata ask for what they will read.
+// Each of thousands of small tensors has its TensorImpl and StorageImpl somewhere on the heap,
+// out of cache after the previous step's pass; fetched ahead, the misses overlap (on the
+// 4000-tensor benchmark the two scans took 1.4 ms without, 1.05 ms with).
+constexpr size_t kMetadataAhead = 8;
+
+// The lines of a TensorImpl that the checks read (sizes, dtype, device, contiguity).
+inline void prefetch_tensor_impl(const at::Tensor& t) {
+  const auto impl = reinterpret_cast<uintptr_t>(t.unsafeGetTensorImpl());
+  for (uintptr_t offset = 0; offset < 256; offset += 64) {
+    __builtin_prefetch(reinterpret_cast<const void*>(impl + offset));
+  }
+}
+
+// The StorageImpl that data_ptr() reads (the TensorImpl is in cache by then).
+inline void prefetch_storage_impl(const at::Tensor& t) {
+  __builtin_prefetch(t.unsafeGetTensorImpl()->storage().unsafeGetStorageImpl());
+}
+
+// Every per-tensor condition of check_step_args' lists, check_state_list (exp_avgs,
+// exp_avg_sqs) and check_steps, in one scan over an Adam-like call's lists: with thousands of
+// small tensors each scan of their metadata misses the cache, so the checks cost more than
+// scanning once. True when all of them hold, with all_contiguous set; false sends the caller to
+// the checks themselves, which raise the first failure's error as they always did.
+inline bool adam_lists_pass_checks(at::TensorList params, at::TensorList grads,
+                                   at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                                   at::TensorList model_params, at::TensorList steps,
+                                   bool& all_contiguous) {
+  const size_t n = params.size();
+  const bool has_model = !model_params.empty();
+  if (grads.size() != n || exp_avgs.size() != n || exp_avg_sqs.size() != n ||
+      steps.size() != n || (has_model && model_params.size() != n)) {
+    return false;
+  }
+  const auto stepped = [](const at::Tensor& t) {
+    return is_supported_dtype(t.scalar_type()) && t.device().is_cpu();
+  };
+  const auto fp32_cpu = [](const at::Tensor& t) {
+    return t.scalar_type() == at::kFloat && t.device().is_cpu();
+  };
+  bool contiguous = true;
+  for (size_t i = 0; i < n; ++i) {
+    if (i + kMetadataAhead < n) {
+      const size_t k = i + kMetadataAhead;
+      for (const at::TensorList list : {params, grads, exp_avgs, exp_avg_sqs, steps}) {
+        prefetch_tensor_impl(list[k]);
+      }
+      if (has_model) prefetch_tensor_impl(model_params[k]);
+    }
+    const at::Tensor& p = params[i];
+    const at::IntArrayRef sizes = p.sizes();
+    if (!stepped(p) || !stepped(grads[i]) || grads[i].sizes() != sizes ||
+        !fp32_cpu(exp_avgs[i]) || exp_avgs[i].sizes() != sizes || !fp32_cpu(exp_avg_sqs[i]) ||
+        exp_avg_sqs[i].sizes() != sizes || !fp32_cpu(steps[i]) || steps[i].numel() != 1) {
+      return false;
+    }
+    contiguous = contiguous && p.is_contiguous() && grads[i].is_contiguous() &&
+                 exp_avgs[i].is_contiguous() && exp_avg_sqs[i].is_contiguous();
+    if (has_model) {
+      const at::Tensor& m = model_params[i];
+      if (!stepped(m) || m.sizes() != sizes) return false;
+      contiguous = contiguous && m.is_contiguous();
+    }
+  }
+  all_contiguous = contiguous;
+  return true;
+}
+
+// What fused_adam_ and fused_lamb_ check: their lists (one scan when all is well) and the
+// 1-element tensors. Returns whether every tensor is contiguous.
+inline bool check_adam_args(const char* op, at::TensorList params, at::TensorList grads,
+                            at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                            at::TensorList model_params, at::TensorList steps,
+                            const at::Tensor& inv_scale, const at::Tensor& found_inf) {
+  bool all_contiguous = false;
+  if (!adam_lists_pass_checks(params, grads, exp_avgs, exp_avg_sqs, model_params, steps,
+                              all_contiguous)) {
+    check_step_args(op, params, grads, model_params, inv_scale, found_inf);
+    check_state_list(op, "exp_avgs", exp_avgs, params);
+    check_state_list(op, "exp_avg_sqs", exp_avg_sqs, params);
+    check_steps(op, steps, params);
+  }
+  check_scalar_tensor(op, "inv_scale", inv_scale);
+  check_found_inf(op, found_inf);
+  return all_contiguous;
+}
+
 // ---- step counts --------------------------------------------------------------------------
 
 // 1 - beta1**count and 1 - beta2**count for the step a tensor is about to take.
@@ -76,31 +164,6 @@ struct BiasCorrection {
   float bc1 = 1.0f;
   float bc2 = 1.0f;
 };
-
-// Per tensor: the count steps[i] + 1 in double, the corrections in double, then fp32; all 1
-// without bias correction. Tensors with the same count (the common case) share one pow.
-inline std::vector<BiasCorrection> bias_corrections(at::TensorList steps, double beta1,
-                                                    double beta2, bool enabled) {
-  std::vector<BiasCorrection> out(steps.size());
-  if (!enabled) return out;
-  double last_count = std::numeric_limits<double>::quiet_NaN();
-  BiasCorrection last;
-  for (size_t i = 0; i < steps.size(); ++i) {
-    const double count = static_cast<double>(read_scalar(steps[i])) + 1.0;
-    if (count != last_count) {
-      last.bc1 = static_cast<float>(1.0 - std::pow(beta1, count));
-      last.bc2 = static_cast<float>(1.0 - std::pow(beta2, count));
-      last_count = count;
-    }
-    out[i] = last;
-  }
-  return out;
-}
-
-// steps[i] += 1 in fp32, once every count has been read.
-inline void increment_steps(at::TensorList steps) {
-  for (const at::Tensor& s : steps) *s.data_ptr<float>() += 1.0f;
-}
 
 // ---- storage types ------------------------------------------------------------------------
 
@@ -313,31 +376,62 @@ using AdamStepFn = void (*)(const AdamConstants&, const AdamTensor&, int64_t, in
 // non-contiguous originals (parameters, moments, model parameters).
 class AdamLists {
  public:
+  // all_contiguous (from check_adam_args): no tensor needs a stand-in, none is looked at again.
   AdamLists(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-            at::TensorList exp_avg_sqs, at::TensorList model_params)
-      : params_(params, ContiguousList::Use::kRead),
-        grads_(grads, ContiguousList::Use::kRead),
-        exp_avgs_(exp_avgs, ContiguousList::Use::kRead),
-        exp_avg_sqs_(exp_avg_sqs, ContiguousList::Use::kRead),
-        model_params_(model_params, ContiguousList::Use::kWrite) {}
+            at::TensorList exp_avg_sqs, at::TensorList model_params, bool all_contiguous)
+      : params_(staged(params, ContiguousList::Use::kRead, all_contiguous)),
+        grads_(staged(grads, ContiguousList::Use::kRead, all_contiguous)),
+        exp_avgs_(staged(exp_avgs, ContiguousList::Use::kRead, all_contiguous)),
+        exp_avg_sqs_(staged(exp_avg_sqs, ContiguousList::Use::kRead, all_contiguous)),
+        model_params_(staged(model_params, ContiguousList::Use::kWrite, all_contiguous)) {}
 
   at::TensorList params() const { return params_.list(); }
 
-  // One AdamTensor per parameter, with its bias corrections and step_size as its factor.
-  std::vector<AdamTensor> tensors(const std::vector<BiasCorrection>& bias, float step_size) const {
+  // Starts the step: one AdamTensor per parameter, with step_size as its factor and the bias
+  // corrections of its count (the count steps[i] + 1 in double, the corrections in double, then
+  // fp32; all 1 without bias correction; tensors with the same count, the common case, share one
+  // pow), and steps[i] += 1 in fp32 once every count has been read (a step tensor passed for two
+  // parameters is read twice, then incremented twice). One scan over the lists.
+  std::vector<AdamTensor> start_step(at::TensorList steps, double beta1, double beta2,
+                                     bool bias_correction, float step_size) const {
     const at::TensorList params = params_.list(), grads = grads_.list();
     const at::TensorList exp_avgs = exp_avgs_.list(), exp_avg_sqs = exp_avg_sqs_.list();
     const at::TensorList models = model_params_.list();
-    std::vector<AdamTensor> out(params.size());
-    for (size_t i = 0; i < params.size(); ++i) {
+    const size_t n = params.size();
+    std::vector<AdamTensor> out(n);
+    std::vector<float*> counts(n);
+    double last_count = std::numeric_limits<double>::quiet_NaN();
+    BiasCorrection bias;
+    for (size_t i = 0; i < n; ++i) {
+      if (i + kMetadataAhead < n) {
+        const size_t k = i + kMetadataAhead;
+        for (const at::TensorList list : {params, grads, exp_avgs, exp_avg_sqs, steps}) {
+          prefetch_storage_impl(list[k]);
+        }
+        if (!models.empty()) prefetch_storage_impl(models[k]);
+      }
+      // The count itself, once its StorageImpl has had time to arrive.
+      if (i + kMetadataAhead / 2 < n) {
+        __builtin_prefetch(steps[i + kMetadataAhead / 2].const_data_ptr());
+      }
+      counts[i] = steps[i].data_ptr<float>();
+      if (bias_correction) {
+        const double count = static_cast<double>(*counts[i]) + 1.0;
+        if (count != last_count) {
+          bias.bc1 = static_cast<float>(1.0 - std::pow(beta1, count));
+          bias.bc2 = static_cast<float>(1.0 - std::pow(beta2, count));
+          last_count = count;
+        }
+      }
       out[i] = AdamTensor{params[i].data_ptr(),
                           grads[i].data_ptr(),
                           exp_avgs[i].data_ptr<float>(),
                           exp_avg_sqs[i].data_ptr<float>(),
                           models.empty() ? nullptr : models[i].data_ptr(),
-                          bias[i],
+                          bias,
                           step_size};
     }
+    for (float* count : counts) *count += 1.0f;
     return out;
   }
 
@@ -355,8 +449,34 @@ class AdamLists {
   }
 
  private:
+  static ContiguousList staged(at::TensorList tensors, ContiguousList::Use use,
+                               bool all_contiguous) {
+    return all_contiguous ? ContiguousList(tensors) : ContiguousList(tensors, use);
+  }
+
   ContiguousList params_, grads_, exp_avgs_, exp_avg_sqs_, model_params_;
 };
+
+// Bytes at the start of each array of the next tensor that a thread asks for before it steps the
+// current one (4000 tensors of 2500 elements, O2: 256 to 10240 bytes all took 0.7-1 ms off
+// about 10.5 ms; 1024 as much as any).
+constexpr int64_t kPrefetchHeadBytes = 1024;
+
+// Small tensors are separate allocations, and the hardware prefetcher starts over at each array
+// of each tensor: a few demand misses per array before it runs ahead again. Asking for the next
+// tensor's first lines while the current one is stepped hides them. A prefetch never faults, so
+// arrays shorter than that and absent ones (nullptr) are harmless.
+// (Addresses as integers: the bytes past a short array are no object to point into.)
+inline void prefetch_heads(const AdamTensor& t) {
+  const void* arrays[] = {t.param, t.grad, t.exp_avg, t.exp_avg_sq, t.model};
+  for (const void* a : arrays) {
+    if (a == nullptr) continue;
+    const auto start = reinterpret_cast<uintptr_t>(a);
+    for (int64_t b = 0; b < kPrefetchHeadBytes; b += 64) {
+      __builtin_prefetch(reinterpret_cast<const void*>(start + static_cast<uintptr_t>(b)));
+    }
+  }
+}
 
 // The one parallel pass of AdamStep<P, G, M> over every parameter of the call.
 inline void adam_step_pass(const AdamConstants& c, const AdamLists& lists,
@@ -367,7 +487,9 @@ inline void adam_step_pass(const AdamConstants& c, const AdamLists& lists,
     kernels[i] = step_kernel_for<AdamStep>(params[i].scalar_type(), lists.grad_dtype(i),
                                            lists.model(i));
   }
+  const int64_t n = static_cast<int64_t>(tensors.size());
   parallel_segments(element_offsets(params), [&](int64_t t, int64_t begin, int64_t length) {
+    if (begin == 0 && t + 1 < n) prefetch_heads(tensors[t + 1]);
     kernels[t](c, tensors[t], begin, length);
   });
 }

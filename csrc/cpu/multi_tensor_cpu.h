@@ -84,6 +84,9 @@ class ContiguousList {
     }
   }
 
+  // A list the caller knows to be contiguous (it has just scanned it): nothing to stage.
+  explicit ContiguousList(at::TensorList contiguous) : original_(contiguous) {}
+
   at::TensorList list() const { return staged_.empty() ? original_ : at::TensorList(staged_); }
 
   void write_back() const {
