@@ -159,7 +159,8 @@ class FusedStep:
             amp_opt.unscale(stash, scale, check)   # adding to materialised fp32 gradients
             return
         for device, group in amp_opt.groups().items():
-            grads = [p.grad for p in group.model_params if p.grad is not None]
+            # .grad read once per parameter: a property call, ~80 ns each, every step
+            grads = [g for g in (p.grad for p in group.model_params) if g is not None]
             if grads:
                 flag_nonfinite(grads, check.found_inf(amp_opt, device))
         amp_opt.grad_state = CHECKED
