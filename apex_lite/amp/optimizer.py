@@ -102,6 +102,12 @@ def flag_nonfinite(tensors: List[torch.Tensor], found_inf: torch.Tensor) -> None
     torch.maximum(found_inf, bad.to(found_inf.dtype).reshape(1), out=found_inf)
 
 
+def present_grads(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+    """The gradients of ``tensors`` that exist, in order. Each ``.grad`` is read once: it is a
+    property call (~80 ns), and these lists are built every step."""
+    return [g for g in (t.grad for t in tensors) if g is not None]
+
+
 class _DeviceGroup:
     """The parameters of one optimizer on one device: ``model_params[i]`` receives the backward,
     ``masters[i]`` is what the optimizer updates (the same tensor unless O2 cast it to half)."""
@@ -427,7 +433,7 @@ class AmpOptimizer:
         half_grads = [p.grad for p in group.half_models]
         if any(g is None for g in half_grads):
             return False
-        grads = [g for g in [p.grad for p in group.own_masters] if g is not None]
+        grads = present_grads(group.own_masters)
         if not half_grads:
             if grads:
                 fused_scale(grads, grads, inv_scale, found_inf)
