@@ -4,16 +4,21 @@ Workloads: 25M fp32 parameters in 200 tensors, and 4000 tensors of 2500 elements
   sgd foreach, sgd fused       torch.optim.SGD(momentum=0.9, foreach=True / fused=True).step()
   sgd ours                     apex_lite's fused_sgd_ called directly (fp32 grads, fp32 params)
   adamw foreach, adamw fused   torch.optim.AdamW(foreach=True / fused=True).step()
-  adamw ours                   fused_adam_ (adam_w_mode) called directly, fp32 grads and params
+  adamw ours                   apex_lite's AdamUpdate (adam_w_mode), the update FusedAdam and
+                               amp's O2 step make: fp32 grads read from the params' .grad
   O2 adamw torch               torch's closest to amp's O2 step: bf16 grads copied into fp32
                                master grads, unscaled and checked
                                (_amp_foreach_non_finite_check_and_unscale_), AdamW(fused=True)
                                step on the fp32 masters, masters copied into the bf16 model
-  O2 adamw ours                fused_adam_: bf16 grads in, fp32 masters and state, bf16 model out
-  O2 lamb ours                 fused_lamb_ likewise (two stages: reads the state twice; torch has
-                               no LAMB, so it is shown against the AdamW floor)
-"ours" calls the op of apex_lite's backend for the device (native when the extension is built)
-with tensor lists built once, as amp and apex_lite.optimizers keep them.
+  O2 adamw ours                AdamUpdate in amp's O2 form: bf16 grads read from the bf16 model
+                               parameters' .grad, fp32 masters and state, bf16 model out
+  O2 adamw ours, lists         the same fused_adam_ op called from Python with the six lists
+                               built once: what passing 6 tensors per parameter costs per call
+  O2 lamb ours                 fused_lamb_ likewise, lists passed (two stages: reads the state
+                               twice; torch has no LAMB, so it is shown against the AdamW floor)
+"ours" runs on apex_lite's backend for the device (native when the extension is built). The
+update builds its lists once; on the native backend it hands them to C++ at its second step
+(csrc/held_lists.cpp) and its later steps pass no list through Python.
 
 The floor of a variant is one multithreaded pass over a flat tensor moving the bytes of its
 ideal fused step: ``flat.mul_(1.0)`` over one fp32 tensor of half those bytes, which reads and
@@ -43,6 +48,7 @@ from typing import Callable, Dict, List, Tuple
 import torch
 
 from apex_lite.multi_tensor import _backend
+from apex_lite.optimizers import AdamHyper, AdamUpdate
 from kernels import split_sizes, timed
 
 # (title, total parameters, tensors) per workload; the smoke sizes keep the shapes' character.
@@ -53,7 +59,8 @@ SMOKE_WORKLOADS = {1: ("200 tensors, 20K fp32 params (smoke)", 20_000, 200),
 BYTES_PER_PARAM = {"sgd": 20, "adamw": 28, "O2 adamw": 28}
 FLOOR_OF = {"sgd foreach": "sgd", "sgd fused": "sgd", "sgd ours": "sgd",
             "adamw foreach": "adamw", "adamw fused": "adamw", "adamw ours": "adamw",
-            "O2 adamw torch": "O2 adamw", "O2 adamw ours": "O2 adamw", "O2 lamb ours": "O2 adamw"}
+            "O2 adamw torch": "O2 adamw", "O2 adamw ours": "O2 adamw",
+            "O2 adamw ours, lists": "O2 adamw", "O2 lamb ours": "O2 adamw"}
 LR, MOMENTUM, WEIGHT_DECAY, BETAS, EPS = 1e-3, 0.9, 1e-2, (0.9, 0.999), 1e-8
 INV_SCALE = 2.0 ** -16
 
@@ -122,18 +129,19 @@ def make_workload(total: int, count: int, device, ops) -> Dict[str, Callable[[],
     buffers = [torch.zeros_like(p) for p in plain]
     variants["sgd ours"] = lambda: ops.fused_sgd_(plain, grads, buffers, [], one, found_inf, LR,
                                                    MOMENTUM, 0.0, no_decay, False, False, False)
-    exp_avgs = [torch.zeros_like(p) for p in plain]
-    exp_avg_sqs = [torch.zeros_like(p) for p in plain]
-    steps = [torch.zeros(1, device=device) for _ in plain]
-    variants["adamw ours"] = lambda: ops.fused_adam_(
-        plain, grads, exp_avgs, exp_avg_sqs, [], steps, one, found_inf, LR, BETAS[0], BETAS[1],
-        EPS, WEIGHT_DECAY, True, True)
+    hyper = AdamHyper(LR, BETAS[0], BETAS[1], EPS, WEIGHT_DECAY, adam_w_mode=True,
+                      bias_correction=True)
+    adamw_state: dict = {}
+    adamw_update = AdamUpdate(params)
+    variants["adamw ours"] = lambda: adamw_update(adamw_state, one, found_inf, hyper)
 
     # O2: bf16 model parameters and gradients (of a loss scaled by 2**16), fp32 masters. Ours
-    # shares its moments with "adamw ours" (values only drift), torch's optimizer has its own.
+    # (both forms) share their moments (values only drift), torch's optimizer has its own.
     masters = [torch.nn.Parameter(torch.randn(n, device=device)) for n in sizes]
     half_params = [m.detach().bfloat16() for m in masters]
     half_grads = [(torch.randn(n, device=device) * 2.0 ** 10).bfloat16() for n in sizes]
+    for h, g in zip(half_params, half_grads):
+        h.grad = g
     master_grads = [torch.empty(n, device=device) for n in sizes]
     for m, g in zip(masters, master_grads):
         m.grad = g
@@ -148,9 +156,16 @@ def make_workload(total: int, count: int, device, ops) -> Dict[str, Callable[[],
         torch._foreach_copy_(half_params, plain_masters)
 
     variants["O2 adamw torch"] = o2_torch
-    variants["O2 adamw ours"] = lambda: ops.fused_adam_(
+    o2_state: dict = {}
+    o2_update = AdamUpdate(plain_masters, grad_sources=half_params, model_params=half_params)
+    variants["O2 adamw ours"] = lambda: o2_update(o2_state, inv_scale, found_inf, hyper)
+    o2_update(o2_state, inv_scale, found_inf, hyper)    # creates the state the lists form reads
+    exp_avgs = [o2_state[m]["exp_avg"] for m in plain_masters]
+    exp_avg_sqs = [o2_state[m]["exp_avg_sq"] for m in plain_masters]
+    steps = [o2_state[m]["step"] for m in plain_masters]
+    variants["O2 adamw ours, lists"] = lambda: ops.fused_adam_(
         plain_masters, half_grads, exp_avgs, exp_avg_sqs, half_params, steps, inv_scale,
-        found_inf, LR, BETAS[0], BETAS[1], EPS, WEIGHT_DECAY, True, True)
+        found_inf, *hyper)
     grad_norm = torch.ones(1, device=device)
     variants["O2 lamb ours"] = lambda: ops.fused_lamb_(
         plain_masters, half_grads, exp_avgs, exp_avg_sqs, half_params, steps, inv_scale,
@@ -179,12 +194,12 @@ def report(title: str, total: int, medians: Dict[str, float]) -> List[Tuple[str,
         median = medians[name]
         ratio = median / medians[f"floor {kind}"]
         gbps = BYTES_PER_PARAM[kind] * total / median / 1e9
-        print(f"{title:<40} {name:<16} {median * 1e3:>10.4f} {ratio:>8.2f} {gbps:>7.1f}")
+        print(f"{title:<40} {name:<20} {median * 1e3:>10.4f} {ratio:>8.2f} {gbps:>7.1f}")
         ratios.append((name, ratio))
     for kind in BYTES_PER_PARAM:
         median = medians[f"floor {kind}"]
         gbps = BYTES_PER_PARAM[kind] * total / median / 1e9
-        print(f"{title:<40} {'floor ' + kind:<16} {median * 1e3:>10.4f} {1.0:>8.2f} {gbps:>7.1f}")
+        print(f"{title:<40} {'floor ' + kind:<20} {median * 1e3:>10.4f} {1.0:>8.2f} {gbps:>7.1f}")
     return ratios
 
 
@@ -217,7 +232,7 @@ def main(argv=None) -> int:
         return 1
 
     workloads = SMOKE_WORKLOADS if args.smoke else WORKLOADS
-    print(f"{'workload':<40} {'variant':<16} {'median ms':>10} {'x floor':>8} {'GB/s':>7}")
+    print(f"{'workload':<40} {'variant':<20} {'median ms':>10} {'x floor':>8} {'GB/s':>7}")
     results = {}
     for index in (int(i) for i in args.only.split(",")):
         title, total, count = workloads[index]

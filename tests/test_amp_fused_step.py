@@ -112,6 +112,30 @@ def test_fused_step_trains_as_the_unfused_step(name, half_dtype):
                                        atol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["AdamW", "FusedAdam"])
+def test_lists_held_in_cpp_step_as_the_list_path(name, monkeypatch):
+    """On the native backend the Adam update hands its lists to C++ once (from the second step)
+    and steps through them without passing a list; the training, a skipped step included, is
+    the list path's bit for bit."""
+    from apex_lite.optimizers import AdamUpdate
+    model, opt = _train(OPTIMIZERS[name], True, steps=8, inject_at={3})
+    buckets = opt._apex_lite_amp.path.buckets()
+    held = [b.update._plan.held for b in buckets]
+    if backend("cpu")[0] == "native":
+        assert all(h is not None and h is not False for h in held), held
+    else:
+        assert all(h is False for h in held), held
+    held_run = snapshot(model, opt), copy.deepcopy(opt.state_dict())
+    _fresh_handle()
+    monkeypatch.setattr(AdamUpdate, "held_step", "")
+    model, opt = _train(OPTIMIZERS[name], True, steps=8, inject_at={3})
+    assert all(b.update._plan.held is False for b in opt._apex_lite_amp.path.buckets())
+    assert_bitwise_equal(held_run[0], snapshot(model, opt))
+    for key, entry in held_run[1]["state"].items():
+        for k, value in entry.items():
+            assert torch.equal(value, opt.state_dict()["state"][key][k]), k
+
+
 @pytest.mark.parametrize("name", ["SGD-momentum", "SGD-dampening", "Adam"])
 def test_a_skipped_fused_step_changes_nothing(name):
     model, opt = _train(OPTIMIZERS[name], True, steps=2)

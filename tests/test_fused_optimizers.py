@@ -31,7 +31,7 @@ from torch.optim.optimizer import required
 
 import apex_lite.optimizers.update as update_module
 from apex_lite.multi_tensor import _backend
-from apex_lite.optimizers import (AdamUpdate, FusedAdam, FusedLAMB, FusedSGD, FusedUpdate,
+from apex_lite.optimizers import (AdamHyper, AdamUpdate, FusedAdam, FusedLAMB, FusedSGD, FusedUpdate,
                                   SGDUpdate, unit_scalars)
 from apex_lite.optimizers import fusable
 
@@ -639,23 +639,29 @@ def test_lr_scheduler(make_ours, make_theirs):
 # ---- one op call per group and device, cached lists ---------------------------------------------------
 
 class _CountingOps:
-    def __init__(self, ops):
+    """Records each op call by name; the steps of lists held in C++ (``hold_lists``) as
+    "held <op>" when they stepped (not when they sent the caller to the list path)."""
+
+    def __init__(self, ops, calls=None, prefix=""):
         self.ops = ops
-        self.calls = []
+        self.calls = [] if calls is None else calls
+        self.prefix = prefix
 
     def __getattr__(self, name):
         op = getattr(self.ops, name)
 
         def counted(*args):
-            self.calls.append(name)
-            return op(*args)
+            result = op(*args)
+            if result is not False:
+                self.calls.append(self.prefix + name)
+            if name == "hold_lists" and result is not None:
+                return _CountingOps(result, self.calls, "held ")
+            return result
         return counted
 
 
-@pytest.mark.parametrize("cls,kwargs,op", [
-    (FusedAdam, {}, "fused_adam_"), (FusedSGD, dict(lr=0.1, momentum=0.9), "fused_sgd_"),
-    (FusedLAMB, {}, "fused_lamb_")], ids=["adam", "sgd", "lamb"])
-def test_one_op_call_per_group_and_step(monkeypatch, cls, kwargs, op):
+def count_op_calls(monkeypatch):
+    """{device: _CountingOps} that ``apex_lite.optimizers.update`` will call through."""
     counting = {}
 
     def ops_for(device):
@@ -663,13 +669,22 @@ def test_one_op_call_per_group_and_step(monkeypatch, cls, kwargs, op):
             counting[device] = _CountingOps(_backend.ops_for(device))
         return counting[device]
     monkeypatch.setattr(update_module, "ops_for", ops_for)
+    return counting
+
+
+@pytest.mark.parametrize("cls,kwargs,op", [
+    (FusedAdam, {}, "fused_adam_"), (FusedSGD, dict(lr=0.1, momentum=0.9), "fused_sgd_"),
+    (FusedLAMB, {}, "fused_lamb_")], ids=["adam", "sgd", "lamb"])
+def test_one_op_call_per_group_and_step(monkeypatch, cls, kwargs, op):
+    counting = count_op_calls(monkeypatch)
     dtypes = [torch.float32, torch.float16, torch.bfloat16]
     params = [p.to(d).detach().requires_grad_() for p, d in zip(make_params(), dtypes * 2)]
     opt = cls([{"params": params[:3]}, {"params": params[3:]}], **kwargs)
     for step in range(4):
         set_grads(params, grads_for(step, [p.shape for p in params]))
         opt.step()
-    assert counting[torch.device("cpu")].calls == [op] * 8
+    calls = counting[torch.device("cpu")].calls
+    assert [name.split()[-1] for name in calls if name != "hold_lists"] == [op] * 8
 
 
 def test_lists_are_built_once_and_rebuilt_when_the_parameter_set_changes(monkeypatch):
@@ -709,6 +724,127 @@ def test_lists_are_built_once_and_rebuilt_when_the_parameter_set_changes(monkeyp
     opt.state.clear()                 # a reset state is seen (its size changed); again the
     steps(2)                          # later group's first state makes the earlier one rebuild
     assert len(builds) == 11 and params[0] in opt.state
+
+
+# ---- lists held in C++ between steps (native backend, Adam) ------------------------------------------
+
+def require_native():
+    """Skip on the Python backend, which holds no lists (fail where native was required)."""
+    if _env_flag("APEX_LITE_DISABLE_EXT") or not _native_available():
+        if _env_flag("APEX_LITE_REQUIRE_EXT"):
+            pytest.fail("APEX_LITE_REQUIRE_EXT=1 but the native kernels are not available")
+        pytest.skip("the native extension is not built (or APEX_LITE_DISABLE_EXT=1)")
+
+
+def _o2_update_run(monkeypatch, held: bool, events):
+    """Ten O2 steps of an AdamUpdate (fp32 masters, bf16 and fp16 model parameters whose .grad
+    is read) with ``events[step]`` applied to that step's gradients; returns the masters, the
+    model parameters, the state and the op calls made."""
+    if not held:
+        monkeypatch.setattr(AdamUpdate, "held_step", "")
+    counting = count_op_calls(monkeypatch)
+    masters = make_params()
+    models = [m.detach().to(d) for m, d in zip(masters, [torch.bfloat16, torch.float16] * 2)]
+    update = AdamUpdate(masters, grad_sources=models, model_params=models)
+    state = {}
+    hyper = AdamHyper(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+                      adam_w_mode=True, bias_correction=True)
+    inv_scale = torch.full((1,), 2.0 ** -8)
+    for step in range(10):
+        grads = [(g * 2.0 ** 8).to(m.dtype) for g, m in
+                 zip(grads_for(step, [m.shape for m in models]), models)]
+        found_inf = torch.zeros(1)
+        event = events.get(step)
+        if event == "missing":
+            grads[1] = None
+        elif event == "non-contiguous":
+            grads[0] = torch.empty(grads[0].shape + (2,), dtype=grads[0].dtype)[..., 0]
+            grads[0].copy_((grads_for(step, [models[0].shape])[0] * 2.0 ** 8))
+        elif event == "skip":
+            found_inf = torch.ones(1)
+        for m, g in zip(models, grads):
+            m.grad = g
+        update(state, inv_scale, found_inf, hyper)
+    calls = counting[torch.device("cpu")].calls
+    return masters, models, [state[m] for m in masters], calls
+
+
+@pytest.mark.parametrize("events", [
+    {}, {4: "missing"}, {4: "non-contiguous"}, {4: "skip", 5: "skip"}, {1: "skip", 6: "missing"},
+], ids=["plain", "missing", "non-contiguous", "skips", "skip-then-missing"])
+def test_held_lists_step_bit_for_bit_as_the_list_path(monkeypatch, events):
+    """From a plan's second use on, the step goes through the lists held in C++; a step whose
+    gradients that path does not take (one missing, one non-contiguous) goes the list path;
+    found_inf skips either. Both give the list path's bits."""
+    require_native()
+    held = _o2_update_run(monkeypatch, True, events)
+    monkeypatch.undo()
+    listed = _o2_update_run(monkeypatch, False, events)
+    for a, b in zip(held[:2], listed[:2]):
+        assert_bitwise(a, b)
+    for held_state, listed_state in zip(held[2], listed[2]):
+        assert held_state.keys() == listed_state.keys()
+        for key, value in held_state.items():
+            assert torch.equal(value, listed_state[key]), key
+    assert "held fused_adam_" not in listed[3]
+    taken = held[3].count("held fused_adam_")
+    # Step 0 builds the plan, step 1 hands it to C++; a step with a missing gradient builds a
+    # masked plan, the next a full one again (held from its second use).
+    fallbacks = sum(1 for e in events.values() if e in ("missing", "non-contiguous"))
+    rebuilt_after = sum(1 for e in events.values() if e == "missing")
+    assert taken == 9 - fallbacks - rebuilt_after, held[3]
+
+
+def test_held_lists_refuse_as_the_list_path(monkeypatch):
+    """A gradient that the held path leaves to the list path and the list path refuses (a sparse
+    one) raises the list path's error and changes nothing. (torch itself refuses a gradient of
+    another shape or dtype.)"""
+    require_native()
+    counting = count_op_calls(monkeypatch)
+    params = make_params()
+    opt = FusedAdam(params, lr=1e-2)
+    for step in range(3):
+        set_grads(params, grads_for(step, [p.shape for p in params]))
+        opt.step()
+    assert "held fused_adam_" in counting[torch.device("cpu")].calls
+    before = snapshot(opt, params)
+    params[0].grad = torch.randn(params[0].shape).to_sparse()
+    with pytest.raises(RuntimeError, match="dense gradients only"):
+        opt.step()
+    assert_unchanged(opt, params, before)
+
+
+def test_held_lists_follow_a_loaded_state_and_invalidate(monkeypatch):
+    """A loaded state dict (a new plan) and ``invalidate()`` after a state tensor is replaced
+    give new held lists over the new tensors."""
+    require_native()
+    params = make_params(SHAPES[:2])
+    straight, other = copies(params), copies(params)
+    opt, other_opt = FusedAdam(straight, lr=1e-2), FusedAdam(other, lr=1e-2)
+    shapes = [p.shape for p in params]
+    for step in range(3):
+        for ps, o in ((straight, opt), (other, other_opt)):
+            set_grads(ps, grads_for(step, shapes))
+            o.step()
+    other_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    with torch.no_grad():
+        for a, b in zip(other, straight):
+            a.copy_(b)
+    for step in range(3, 6):
+        for ps, o in ((straight, opt), (other, other_opt)):
+            set_grads(ps, grads_for(step, shapes))
+            o.step()
+    assert_bitwise(other, straight)
+    # A replaced state tensor, announced by invalidate(): the next steps update the new one.
+    replacement = opt.state[straight[0]]["exp_avg"].clone()
+    opt.state[straight[0]]["exp_avg"] = replacement
+    for _, update in opt._fused_updates():
+        update.invalidate()
+    for step in range(6, 8):
+        set_grads(straight, grads_for(step, shapes))
+        opt.step()
+    assert opt.state[straight[0]]["exp_avg"] is replacement
+    assert not torch.equal(replacement, other_opt.state[other[0]]["exp_avg"])
 
 
 # ---- state_dict -------------------------------------------------------------------------------------------

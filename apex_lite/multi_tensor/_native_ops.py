@@ -12,6 +12,10 @@ Two sets, one per staging policy for non-contiguous tensors:
   checks' Python loop is small beside that, and the common, contiguous path does not run it.
 The fused optimizer ops stage the same way: a list the op reads and writes (parameters, state)
 through contiguous copies, a list it only writes (model parameters) through fresh buffers.
+
+Both sets offer ``hold_lists``: an update's lists held in C++ between steps
+(``torch.classes.apex_lite.HeldLists``, csrc/held_lists.cpp), whose steps pass no list through
+Python.
 Imported only after ``apex_lite._C`` is loaded.
 """
 from __future__ import annotations
@@ -35,11 +39,21 @@ _nonfinite_flags = torch.ops.apex_lite.nonfinite_flags.default
 _fused_sgd_ = torch.ops.apex_lite.fused_sgd_.default
 _fused_adam_ = torch.ops.apex_lite.fused_adam_.default
 _fused_lamb_ = torch.ops.apex_lite.fused_lamb_.default
+_HeldLists = torch.classes.apex_lite.HeldLists
+
+
+def _hold_lists_any_strides(params: Tensors, grad_sources: Tensors, model_params: Tensors,
+                            state: Sequence[Tensors]):
+    """The lists held in C++ (CPU kernels: any strides; the step itself stages non-contiguous
+    tensors)."""
+    return _HeldLists(list(params), list(grad_sources), list(model_params),
+                      [list(tensors) for tensors in state])
+
 
 CPU_OPS = SimpleNamespace(scale_=_scale_, scale_out=_scale_out, axpby_=_axpby_,
                           axpby_out=_axpby_out, l2norm=_l2norm, nonfinite_flags=_nonfinite_flags,
                           fused_sgd_=_fused_sgd_, fused_adam_=_fused_adam_,
-                          fused_lamb_=_fused_lamb_)
+                          fused_lamb_=_fused_lamb_, hold_lists=_hold_lists_any_strides)
 
 
 def _contiguous(tensors: Tensors) -> bool:
@@ -160,7 +174,17 @@ fused_lamb_ = _adam_like(_fused_lamb_)
 fused_lamb_.__doc__ = "LAMB step; see csrc/ops.cpp."
 
 
+def hold_lists(params: Tensors, grad_sources: Tensors, model_params: Tensors,
+               state: Sequence[Tensors]):
+    """The lists held in C++, or None when one holds a non-contiguous tensor (staged per call by
+    the list path; the held step passes the tensors to the op as they are)."""
+    if not (_contiguous(params) and _contiguous(model_params)
+            and all(_contiguous(tensors) for tensors in state)):
+        return None
+    return _hold_lists_any_strides(params, grad_sources, model_params, state)
+
+
 STAGED_OPS = SimpleNamespace(scale_=scale_, scale_out=scale_out, axpby_=axpby_,
                              axpby_out=axpby_out, l2norm=l2norm, nonfinite_flags=nonfinite_flags,
                              fused_sgd_=fused_sgd_, fused_adam_=fused_adam_,
-                             fused_lamb_=fused_lamb_)
+                             fused_lamb_=fused_lamb_, hold_lists=hold_lists)

@@ -260,6 +260,13 @@ def fused_adam_(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs:
     _finish(params, p, model_params)
 
 
+def hold_lists(params: Tensors, grad_sources: Tensors, model_params: Tensors,
+               state: Sequence[Tensors]) -> None:
+    """None: this backend holds no lists between steps (the native one does, to spare a step the
+    conversion of every tensor at the call; here each step works per tensor anyway)."""
+    return None
+
+
 def fused_lamb_(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors,
                 model_params: Tensors, steps: Tensors, inv_scale: torch.Tensor,
                 found_inf: torch.Tensor, grad_norm: torch.Tensor, lr: float, beta1: float,

@@ -48,6 +48,7 @@ class AdamUpdate(FusedUpdate):
     """One ``fused_adam_`` call for one param group on one device."""
 
     kind = "adam"
+    held_step = "fused_adam_"
 
     def _state_lists(self, params: List[torch.Tensor], state, hyper: AdamHyper) -> tuple:
         return moment_lists(self, params, state)

@@ -36,7 +36,10 @@ are built once and reused while the set of parameters with a gradient, the ``sta
 and its number of entries stay the same; a new param group, a loaded state dict or a first state
 entry therefore rebuild them. ``invalidate()`` forces a rebuild where nothing of that shows
 (a state tensor replaced in place: ``state[p]["exp_avg"] = t``). Per step and per tensor the only
-Python work is reading ``.grad``.
+Python work is reading ``.grad``; and none at all where the native backend holds the lists in
+C++ (``hold_lists``; Adam): once a plan over every parameter is used a second time, its lists
+are handed to C++ once, and each later step passes only the scalars, the gradients read there.
+A step that finds a gradient missing or unusual there goes the list path for that step.
 """
 from __future__ import annotations
 
@@ -101,13 +104,16 @@ def zeros32(param: torch.Tensor) -> torch.Tensor:
 
 class _Plan:
     """The lists one op call takes, for the parameters that had a gradient when it was built."""
-    __slots__ = ("picks", "params", "model_params", "lists")
+    __slots__ = ("picks", "params", "model_params", "lists", "held")
 
     def __init__(self, picks, params, model_params, lists):
         self.picks = picks                  # indices into the update's lists, None for all
         self.params = params
         self.model_params = model_params
         self.lists = lists                  # the subclass's state lists, in the op's order
+        # The lists held in C++ (``hold_lists``): None until first wanted, False when the
+        # backend or the lists offer none.
+        self.held = None
 
     def local(self) -> "_Plan":
         """The same plan over the local shards of its DTensors, for one call (lists without
@@ -120,6 +126,9 @@ class FusedUpdate:
     """The fused step of one param group on one device (see the module docstring)."""
 
     kind = ""            # "sgd", "adam", "lamb": for messages
+    # The method of the lists held in C++ that makes this update's step (``hold_lists``), or
+    # "" where the update always passes its lists.
+    held_step = ""
     # Whether the update needs norms of whole parameters (LAMB's trust ratio), which the op
     # cannot compute from FSDP2's shards: such an update refuses DTensor parameters.
     needs_whole_parameters = False
@@ -185,6 +194,8 @@ class FusedUpdate:
     def _run(self, state, inv_scale, found_inf, hyper, grads, extra: tuple) -> None:
         if not self.params:
             return
+        if grads is None and self._step_held(state, inv_scale, found_inf, hyper, extra):
+            return
         if grads is None:
             grads = self.read_grads()
         if all(map(_has_grad, grads, _NONE)):
@@ -214,6 +225,27 @@ class FusedUpdate:
         except (RuntimeError, TypeError, ValueError) as exc:
             self.check_grads(grads, plan.params, exc)
             raise
+
+    def _step_held(self, state, inv_scale, found_inf, hyper, extra: tuple) -> bool:
+        """The step through the lists held in C++, when the cached plan covers every parameter
+        and still holds (same state dict and entry count, same flavour); False, having done
+        nothing, sends the caller to the list path. The op's own errors (raised before it writes
+        anything) propagate as on the list path; gradients the list path refuses with a message
+        of its own (sparse ones) are left to it."""
+        plan = self._plan
+        if plan is None or plan.picks is not None or plan.held is False or self.sharded \
+                or state is not self._plan_state \
+                or (None, len(state), self._flavour(hyper)) != self._plan_key:
+            return False
+        if plan.held is None:
+            held = None
+            if self.held_step:
+                held = ops_for(self.device).hold_lists(plan.params, self.grad_sources,
+                                                       plan.model_params, plan.lists)
+            plan.held = False if held is None else held
+            if held is None:
+                return False
+        return getattr(plan.held, self.held_step)(inv_scale, found_inf, *hyper, *extra)
 
     def _build(self, state, grads, mask, hyper) -> _Plan:
         picks = None if mask is None else [i for i, present in enumerate(mask) if present]

@@ -1,0 +1,109 @@
+// torch.classes.apex_lite.HeldLists: the tensor lists of one fused optimizer update, held in C++
+// between steps, so that a step passes no list through Python.
+//
+// Why: a call of a list op from Python converts every tensor of every list to an IValue and back
+// (pybind's caster, reference counts, the GIL taken and dropped) and then runs the dispatcher's
+// boxed autograd fallback over them. For AdamW O2 on 4000 parameters that is 24000 tensors and
+// 3-6 ms per step on the CPU, more than the step's memory pass itself. apex_lite/optimizers/
+// update.py builds one HeldLists per cached plan (the lists only change when the parameter set or
+// the state does, and the plan is rebuilt then); each step it calls fused_adam_ here with the
+// scalars only. The gradients are read here, from the gradient sources' .grad (the half model
+// parameters under O2, the parameters themselves standalone).
+//
+// The step calls the same registered op, through the dispatcher, as the list path does, so the
+// same kernel (CPU or CUDA, by the tensors' device) with the same checks runs on the same
+// tensors: results are bit for bit those of the list path. Below autograd, as the list path's
+// fallback runs for these ops: it records nothing and bumps no version counter (the op has no
+// autograd formula; the caller holds no_grad).
+//
+// A step returns false, having done nothing, when a gradient is not one this path takes: absent
+// (the caller skips such parameters and needs lists without them), not a dense strided tensor,
+// not contiguous (the CUDA path stages such tensors in Python), of another dtype than fp32, fp16
+// or bf16, or on another device than its parameter. The caller then takes the list path, which
+// handles or refuses it with its own message. Errors of the op itself (a gradient of another shape)
+// are raised before anything is written, as on the list path.
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <utility>
+#include <vector>
+
+namespace apex_lite {
+namespace {
+
+using Tensors = std::vector<at::Tensor>;
+
+bool steppable_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
+class HeldLists : public torch::CustomClassHolder {
+ public:
+  // params: what the op updates; grad_sources: whose .grad is each parameter's gradient
+  // (aligned with params); model_params: empty or aligned with params; state: the op's state
+  // lists in its order (Adam: exp_avgs, exp_avg_sqs, steps).
+  HeldLists(Tensors params, Tensors grad_sources, Tensors model_params,
+            std::vector<Tensors> state)
+      : params_(std::move(params)),
+        sources_(std::move(grad_sources)),
+        models_(std::move(model_params)),
+        state_(std::move(state)) {
+    TORCH_CHECK(sources_.size() == params_.size(), "HeldLists: grad_sources has ",
+                sources_.size(), " tensors but params has ", params_.size());
+    TORCH_CHECK(models_.empty() || models_.size() == params_.size(), "HeldLists: model_params has ",
+                models_.size(), " tensors but params has ", params_.size());
+  }
+
+  int64_t size() const { return static_cast<int64_t>(params_.size()); }
+
+  // One fused_adam_ step (state: exp_avgs, exp_avg_sqs, steps); false: nothing done, see above.
+  bool fused_adam_(const at::Tensor& inv_scale, const at::Tensor& found_inf, double lr,
+                   double beta1, double beta2, double eps, double weight_decay, bool adam_w_mode,
+                   bool bias_correction) {
+    TORCH_CHECK(state_.size() == 3, "HeldLists.fused_adam_: the lists were built with ",
+                state_.size(), " state lists; Adam's are exp_avgs, exp_avg_sqs and steps");
+    Tensors grads;
+    if (!gather_grads(grads)) return false;
+    static const auto op =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("apex_lite::fused_adam_", "")
+            .typed<void(at::TensorList, at::TensorList, at::TensorList, at::TensorList,
+                        at::TensorList, at::TensorList, const at::Tensor&, const at::Tensor&,
+                        double, double, double, double, double, bool, bool)>();
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    op.call(params_, grads, state_[0], state_[1], models_, state_[2], inv_scale, found_inf, lr,
+            beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction);
+    return true;
+  }
+
+ private:
+  // grads = each source's .grad, when every one is a gradient this path takes.
+  bool gather_grads(Tensors& grads) const {
+    grads.reserve(sources_.size());
+    for (size_t i = 0; i < sources_.size(); ++i) {
+      const at::Tensor& g = sources_[i].grad();
+      if (!g.defined() || g.layout() != at::kStrided || !g.is_contiguous() ||
+          !steppable_dtype(g.scalar_type()) || g.device() != params_[i].device()) {
+        return false;
+      }
+      grads.push_back(g);
+    }
+    return true;
+  }
+
+  Tensors params_, sources_, models_;
+  std::vector<Tensors> state_;
+};
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(apex_lite, m) {
+  m.class_<HeldLists>("HeldLists")
+      .def(torch::init<Tensors, Tensors, Tensors, std::vector<Tensors>>())
+      .def("size", &HeldLists::size)
+      .def("fused_adam_", &HeldLists::fused_adam_);
+}
+
+}  // namespace apex_lite
