@@ -6,8 +6,8 @@
 // boxed autograd fallback over them. For AdamW O2 on 4000 parameters that is 24000 tensors and
 // 3-6 ms per step on the CPU, more than the step's memory pass itself. apex_lite/optimizers/
 // update.py builds one HeldLists per cached plan (the lists only change when the parameter set or
-// the state does, and the plan is rebuilt then); each step it calls fused_adam_ here with the
-// scalars only. The gradients are read here, from the gradient sources' .grad (the half model
+// the state does, and the plan is rebuilt then); each step it calls fused_adam_ or fused_sgd_
+// here with the scalars only. The gradients are read here, from the gradient sources' .grad (the half model
 // parameters under O2, the parameters themselves standalone).
 //
 // The step calls the same registered op, through the dispatcher, as the list path does, so the
@@ -57,6 +57,27 @@ class HeldLists : public torch::CustomClassHolder {
   }
 
   int64_t size() const { return static_cast<int64_t>(params_.size()); }
+
+  // One fused_sgd_ step (state: the momentum buffers, an empty list without momentum); false:
+  // nothing done, see above.
+  bool fused_sgd_(const at::Tensor& inv_scale, const at::Tensor& found_inf, double lr,
+                  double momentum, double dampening, double weight_decay, bool nesterov,
+                  bool wd_after_momentum, bool first_run) {
+    TORCH_CHECK(state_.size() == 1, "HeldLists.fused_sgd_: the lists were built with ",
+                state_.size(), " state lists; SGD's is the momentum buffers");
+    Tensors grads;
+    if (!gather_grads(grads)) return false;
+    static const auto op =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("apex_lite::fused_sgd_", "")
+            .typed<void(at::TensorList, at::TensorList, at::TensorList, at::TensorList,
+                        const at::Tensor&, const at::Tensor&, double, double, double, double,
+                        bool, bool, bool)>();
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    op.call(params_, grads, state_[0], models_, inv_scale, found_inf, lr, momentum, dampening,
+            weight_decay, nesterov, wd_after_momentum, first_run);
+    return true;
+  }
 
   // One fused_adam_ step (state: exp_avgs, exp_avg_sqs, steps); false: nothing done, see above.
   bool fused_adam_(const at::Tensor& inv_scale, const at::Tensor& found_inf, double lr,
@@ -113,6 +134,7 @@ TORCH_LIBRARY_FRAGMENT(apex_lite, m) {
   m.class_<HeldLists>("HeldLists")
       .def(torch::init<Tensors, Tensors, Tensors, std::vector<Tensors>>())
       .def("size", &HeldLists::size)
+      .def("fused_sgd_", &HeldLists::fused_sgd_)
       .def("fused_adam_", &HeldLists::fused_adam_);
 }
 

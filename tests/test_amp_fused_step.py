@@ -112,12 +112,12 @@ def test_fused_step_trains_as_the_unfused_step(name, half_dtype):
                                        atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["AdamW", "FusedAdam"])
+@pytest.mark.parametrize("name", ["AdamW", "FusedAdam", "SGD-momentum", "SGD-dampening"])
 def test_lists_held_in_cpp_step_as_the_list_path(name, monkeypatch):
-    """On the native backend the Adam update hands its lists to C++ once (from the second step)
-    and steps through them without passing a list; the training, a skipped step included, is
-    the list path's bit for bit."""
-    from apex_lite.optimizers import AdamUpdate
+    """On the native backend the Adam and SGD updates hand their lists to C++ once (from the
+    second step) and step through them without passing a list; the training, a skipped step
+    included, is the list path's bit for bit."""
+    from apex_lite.optimizers import AdamUpdate, SGDUpdate
     model, opt = _train(OPTIMIZERS[name], True, steps=8, inject_at={3})
     buckets = opt._apex_lite_amp.path.buckets()
     held = [b.update._plan.held for b in buckets]
@@ -127,7 +127,8 @@ def test_lists_held_in_cpp_step_as_the_list_path(name, monkeypatch):
         assert all(h is False for h in held), held
     held_run = snapshot(model, opt), copy.deepcopy(opt.state_dict())
     _fresh_handle()
-    monkeypatch.setattr(AdamUpdate, "held_step", "")
+    for update_class in (AdamUpdate, SGDUpdate):
+        monkeypatch.setattr(update_class, "held_step", "")
     model, opt = _train(OPTIMIZERS[name], True, steps=8, inject_at={3})
     assert all(b.update._plan.held is False for b in opt._apex_lite_amp.path.buckets())
     assert_bitwise_equal(held_run[0], snapshot(model, opt))

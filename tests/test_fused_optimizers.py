@@ -31,8 +31,8 @@ from torch.optim.optimizer import required
 
 import apex_lite.optimizers.update as update_module
 from apex_lite.multi_tensor import _backend
-from apex_lite.optimizers import (AdamHyper, AdamUpdate, FusedAdam, FusedLAMB, FusedSGD, FusedUpdate,
-                                  SGDUpdate, unit_scalars)
+from apex_lite.optimizers import (AdamHyper, AdamUpdate, FusedAdam, FusedLAMB, FusedSGD,
+                                  FusedUpdate, SGDHyper, SGDUpdate, unit_scalars)
 from apex_lite.optimizers import fusable
 
 STEPS = 50
@@ -736,19 +736,33 @@ def require_native():
         pytest.skip("the native extension is not built (or APEX_LITE_DISABLE_EXT=1)")
 
 
-def _o2_update_run(monkeypatch, held: bool, events):
-    """Ten O2 steps of an AdamUpdate (fp32 masters, bf16 and fp16 model parameters whose .grad
-    is read) with ``events[step]`` applied to that step's gradients; returns the masters, the
+# update class, hyper-parameters, steps before the first held one beyond the plan's second use
+HELD_CASES = {
+    "adam": (AdamUpdate, AdamHyper(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+                                   adam_w_mode=True, bias_correction=True), 0),
+    "sgd": (SGDUpdate, SGDHyper(lr=1e-2, momentum=0.0, dampening=0.0, weight_decay=0.0,
+                                nesterov=False, wd_after_momentum=False), 0),
+    "sgd-nesterov": (SGDUpdate, SGDHyper(lr=1e-2, momentum=0.9, dampening=0.0, weight_decay=0.1,
+                                         nesterov=True, wd_after_momentum=False), 0),
+    # The first (dampened) buffer update keeps a flag that the next step reads on the list path.
+    "sgd-dampening": (SGDUpdate, SGDHyper(lr=1e-2, momentum=0.9, dampening=0.3,
+                                          weight_decay=0.0, nesterov=False,
+                                          wd_after_momentum=True), 1),
+}
+
+
+def _o2_update_run(monkeypatch, held: bool, case, events):
+    """Ten O2 steps of an update (fp32 masters, bf16 and fp16 model parameters whose .grad is
+    read) with ``events[step]`` applied to that step's gradients; returns the masters, the
     model parameters, the state and the op calls made."""
+    update_class, hyper, _ = HELD_CASES[case]
     if not held:
-        monkeypatch.setattr(AdamUpdate, "held_step", "")
+        monkeypatch.setattr(update_class, "held_step", "")
     counting = count_op_calls(monkeypatch)
     masters = make_params()
     models = [m.detach().to(d) for m, d in zip(masters, [torch.bfloat16, torch.float16] * 2)]
-    update = AdamUpdate(masters, grad_sources=models, model_params=models)
+    update = update_class(masters, grad_sources=models, model_params=models)
     state = {}
-    hyper = AdamHyper(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
-                      adam_w_mode=True, bias_correction=True)
     inv_scale = torch.full((1,), 2.0 ** -8)
     for step in range(10):
         grads = [(g * 2.0 ** 8).to(m.dtype) for g, m in
@@ -766,33 +780,35 @@ def _o2_update_run(monkeypatch, held: bool, events):
             m.grad = g
         update(state, inv_scale, found_inf, hyper)
     calls = counting[torch.device("cpu")].calls
-    return masters, models, [state[m] for m in masters], calls
+    return masters, models, [state.get(m, {}) for m in masters], calls
 
 
 @pytest.mark.parametrize("events", [
     {}, {4: "missing"}, {4: "non-contiguous"}, {4: "skip", 5: "skip"}, {1: "skip", 6: "missing"},
 ], ids=["plain", "missing", "non-contiguous", "skips", "skip-then-missing"])
-def test_held_lists_step_bit_for_bit_as_the_list_path(monkeypatch, events):
+@pytest.mark.parametrize("case", list(HELD_CASES))
+def test_held_lists_step_bit_for_bit_as_the_list_path(monkeypatch, case, events):
     """From a plan's second use on, the step goes through the lists held in C++; a step whose
     gradients that path does not take (one missing, one non-contiguous) goes the list path;
     found_inf skips either. Both give the list path's bits."""
     require_native()
-    held = _o2_update_run(monkeypatch, True, events)
+    op = "held " + HELD_CASES[case][0].held_step
+    held = _o2_update_run(monkeypatch, True, case, events)
     monkeypatch.undo()
-    listed = _o2_update_run(monkeypatch, False, events)
+    listed = _o2_update_run(monkeypatch, False, case, events)
     for a, b in zip(held[:2], listed[:2]):
         assert_bitwise(a, b)
     for held_state, listed_state in zip(held[2], listed[2]):
         assert held_state.keys() == listed_state.keys()
         for key, value in held_state.items():
             assert torch.equal(value, listed_state[key]), key
-    assert "held fused_adam_" not in listed[3]
-    taken = held[3].count("held fused_adam_")
+    assert not any(name.startswith("held") for name in listed[3])
+    taken = held[3].count(op)
     # Step 0 builds the plan, step 1 hands it to C++; a step with a missing gradient builds a
     # masked plan, the next a full one again (held from its second use).
     fallbacks = sum(1 for e in events.values() if e in ("missing", "non-contiguous"))
     rebuilt_after = sum(1 for e in events.values() if e == "missing")
-    assert taken == 9 - fallbacks - rebuilt_after, held[3]
+    assert taken == 9 - fallbacks - rebuilt_after - HELD_CASES[case][2], held[3]
 
 
 def test_held_lists_refuse_as_the_list_path(monkeypatch):

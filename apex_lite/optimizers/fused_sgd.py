@@ -20,7 +20,7 @@ step, when it is long computed: if that first step was skipped, the next is a fi
 """
 from __future__ import annotations
 
-from typing import Dict, List, NamedTuple
+from typing import Dict, List, NamedTuple, Optional
 
 import torch
 from torch.optim.optimizer import required
@@ -53,6 +53,7 @@ class SGDUpdate(FusedUpdate):
     buffers with dampening take their first step)."""
 
     kind = "sgd"
+    held_step = "fused_sgd_"
 
     def __init__(self, *args, **kwargs):
         # id(param) -> a copy of the found_inf of the step that gave its buffer its first
@@ -105,6 +106,16 @@ class SGDUpdate(FusedUpdate):
                 ops.fused_sgd_(*(_pick(tensors, indices) for tensors in (
                     plan.params, grads, buffers, plan.model_params)),
                     inv_scale, found_inf, *hyper, first_run)
+
+    def _held_state(self, plan) -> list:
+        return [plan.lists[0]]
+
+    def _held_args(self, plan, hyper: SGDHyper, extra: tuple) -> Optional[tuple]:
+        # A dampened buffer's first update (a new buffer, or one whose first step may have been
+        # skipped) splits the call in _launch: the list path does that.
+        if hyper.dampening != 0.0 and (plan.lists[1] or self._first_step_flags):
+            return None
+        return (*hyper, False)
 
     def _first_steps(self, params: List[torch.Tensor], created: List[int]) -> List[int]:
         """Indices of the parameters whose buffer takes its first update now: those created by

@@ -37,7 +37,7 @@ and its number of entries stay the same; a new param group, a loaded state dict 
 entry therefore rebuild them. ``invalidate()`` forces a rebuild where nothing of that shows
 (a state tensor replaced in place: ``state[p]["exp_avg"] = t``). Per step and per tensor the only
 Python work is reading ``.grad``; and none at all where the native backend holds the lists in
-C++ (``hold_lists``; Adam): once a plan over every parameter is used a second time, its lists
+C++ (``hold_lists``; Adam and SGD): once a plan over every parameter is used a second time, its lists
 are handed to C++ once, and each later step passes only the scalars, the gradients read there.
 A step that finds a gradient missing or unusual there goes the list path for that step.
 """
@@ -237,15 +237,18 @@ class FusedUpdate:
                 or state is not self._plan_state \
                 or (None, len(state), self._flavour(hyper)) != self._plan_key:
             return False
+        args = self._held_args(plan, hyper, extra)
+        if args is None:
+            return False
         if plan.held is None:
             held = None
             if self.held_step:
                 held = ops_for(self.device).hold_lists(plan.params, self.grad_sources,
-                                                       plan.model_params, plan.lists)
+                                                       plan.model_params, self._held_state(plan))
             plan.held = False if held is None else held
             if held is None:
                 return False
-        return getattr(plan.held, self.held_step)(inv_scale, found_inf, *hyper, *extra)
+        return getattr(plan.held, self.held_step)(inv_scale, found_inf, *args)
 
     def _build(self, state, grads, mask, hyper) -> _Plan:
         picks = None if mask is None else [i for i, present in enumerate(mask) if present]
@@ -286,6 +289,15 @@ class FusedUpdate:
     def _launch(self, ops, plan: _Plan, state, grads, inv_scale, found_inf, hyper,
                 *extra) -> None:
         raise NotImplementedError
+
+    def _held_state(self, plan: _Plan) -> list:
+        """The state lists the held step's op takes (``held_step``), in its order."""
+        return list(plan.lists)
+
+    def _held_args(self, plan: _Plan, hyper, extra: tuple) -> Optional[tuple]:
+        """The held step's arguments after ``inv_scale, found_inf``; None where this step needs
+        the list path."""
+        return (*hyper, *extra)
 
 
 # ---- state entries: created in fp32, converted once when loaded from elsewhere ----------------
