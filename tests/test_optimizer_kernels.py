@@ -136,12 +136,12 @@ def ref_adam_update(p, g, m, v, count, o, beta3):
         g = rnd(g + rnd(wd * p))
     m = rnd(rnd(f32(b1) * m) + rnd(f32(beta3) * g))
     v = rnd(rnd(f32(b2) * v) + rnd(rnd(f32(1.0 - b2) * g) * g))
-    bc1, bc2 = 1.0, 1.0
+    r1, r2 = 1.0, 1.0
     if o["bias_correction"]:
-        bc1, bc2 = f32(1.0 - b1 ** count), f32(1.0 - b2 ** count)
+        r1, r2 = f32(1.0 / (1.0 - b1 ** count)), f32(1.0 / math.sqrt(1.0 - b2 ** count))
     # The float64 root of an fp32 value rounds to the correctly rounded fp32 root.
-    denom = rnd(rnd(rnd(v / bc2).sqrt()) + f32(o["eps"]))
-    update = rnd(rnd(m / bc1) / denom)
+    denom = rnd(rnd(rnd(v.sqrt()) * r2) + f32(o["eps"]))
+    update = rnd(rnd(m * r1) / denom)
     if o["weight_decay"] != 0 and o["adam_w_mode"]:
         update = rnd(update + rnd(wd * p))
     return update, m, v
