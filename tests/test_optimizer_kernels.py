@@ -411,6 +411,24 @@ def test_backends_agree_bit_for_bit(backend, device, kind):
                 assert_bits(a, b.cpu())
 
 
+@pytest.mark.parametrize("betas", [(1.0, 0.999), (0.9, 1.0), (0.9, 1.5)],
+                         ids=["r1_inf", "r2_inf", "r2_nan"])
+@pytest.mark.parametrize("backend", ["native"], indirect=True)
+def test_degenerate_bias_corrections_agree(backend, device, betas):
+    """Betas the optimizers refuse but the ops take (apex's amp_C op does not check them): a bias
+    correction of 0 gives an infinite reciprocal, a negative one a NaN root, in C++ as in the
+    reference (where Python itself would raise)."""
+    native = _backend.ops_for(torch.device(device))
+    calls = {name: _make("adam", [555, 3], "mixed", device, seed=9) for name in ("n", "p")}
+    o = dict(HYPER["adam"], **KIND_OPTIONS["adam"], beta1=betas[0], beta2=betas[1])
+    for name, ops in (("n", native), ("p", _python)):
+        run_step("adam", ops, calls[name], o, torch.tensor([f32(INV_SCALE)], device=device),
+                 torch.zeros(1, device=device))
+    for key, tensors in calls["n"].items():
+        for a, b in zip(tensors, calls["p"][key]):
+            assert_bits(a, b.cpu())
+
+
 @pytest.mark.parametrize("backend", ["native"], indirect=True)
 @pytest.mark.parametrize("device", ["cpu"], indirect=True)
 def test_lamb_does_not_depend_on_the_thread_count(backend, device):
