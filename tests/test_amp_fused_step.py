@@ -87,9 +87,10 @@ def _fresh_handle():
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_fused_step_trains_as_the_unfused_step(name, half_dtype):
     """Tolerance: the kernels compute the same update in fp32 in another order (Adam:
-    (m/bc1)/(sqrt(v/bc2)+eps) against torch's m/(sqrt(v)/sqrt(bc2)+eps)*lr/bc1, the weight
-    decay of AdamW folded into the update); over 6 steps, one of them skipped, the masters agree
-    to 1e-5 relative. The half model is the rounding of the masters on both paths."""
+    (m*r1)/(sqrt(v)*r2+eps) with r1 = 1/bc1, r2 = 1/sqrt(bc2) against torch's
+    m/(sqrt(v)/sqrt(bc2)+eps)*lr/bc1, the weight decay of AdamW folded into the update); over
+    6 steps, one of them skipped, the masters agree to 1e-5 relative. The half model is the
+    rounding of the masters on both paths."""
     model, fused_opt = _train(OPTIMIZERS[name], True, inject_at={2}, half_dtype=half_dtype)
     assert fused_opt._apex_lite_amp.path.fused
     fused, fused_model = _masters(fused_opt), [p.detach().clone() for p in model.parameters()]

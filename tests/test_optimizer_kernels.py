@@ -136,12 +136,12 @@ def ref_adam_update(p, g, m, v, count, o, beta3):
         g = rnd(g + rnd(wd * p))
     m = rnd(rnd(f32(b1) * m) + rnd(f32(beta3) * g))
     v = rnd(rnd(f32(b2) * v) + rnd(rnd(f32(1.0 - b2) * g) * g))
-    bc1, bc2 = 1.0, 1.0
+    r1, r2 = 1.0, 1.0
     if o["bias_correction"]:
-        bc1, bc2 = f32(1.0 - b1 ** count), f32(1.0 - b2 ** count)
+        r1, r2 = f32(1.0 / (1.0 - b1 ** count)), f32(1.0 / math.sqrt(1.0 - b2 ** count))
     # The float64 root of an fp32 value rounds to the correctly rounded fp32 root.
-    denom = rnd(rnd(rnd(v / bc2).sqrt()) + f32(o["eps"]))
-    update = rnd(rnd(m / bc1) / denom)
+    denom = rnd(rnd(rnd(v.sqrt()) * r2) + f32(o["eps"]))
+    update = rnd(rnd(m * r1) / denom)
     if o["weight_decay"] != 0 and o["adam_w_mode"]:
         update = rnd(update + rnd(wd * p))
     return update, m, v
@@ -409,6 +409,24 @@ def test_backends_agree_bit_for_bit(backend, device, kind):
         for key, tensors in calls["native"].items():
             for a, b in zip(tensors, calls["python"][key]):
                 assert_bits(a, b.cpu())
+
+
+@pytest.mark.parametrize("betas", [(1.0, 0.999), (0.9, 1.0), (0.9, 1.5)],
+                         ids=["r1_inf", "r2_inf", "r2_nan"])
+@pytest.mark.parametrize("backend", ["native"], indirect=True)
+def test_degenerate_bias_corrections_agree(backend, device, betas):
+    """Betas the optimizers refuse but the ops take (apex's amp_C op does not check them): a bias
+    correction of 0 gives an infinite reciprocal, a negative one a NaN root, in C++ as in the
+    reference (where Python itself would raise)."""
+    native = _backend.ops_for(torch.device(device))
+    calls = {name: _make("adam", [555, 3], "mixed", device, seed=9) for name in ("n", "p")}
+    o = dict(HYPER["adam"], **KIND_OPTIONS["adam"], beta1=betas[0], beta2=betas[1])
+    for name, ops in (("n", native), ("p", _python)):
+        run_step("adam", ops, calls[name], o, torch.tensor([f32(INV_SCALE)], device=device),
+                 torch.zeros(1, device=device))
+    for key, tensors in calls["n"].items():
+        for a, b in zip(tensors, calls["p"][key]):
+            assert_bits(a, b.cpu())
 
 
 @pytest.mark.parametrize("backend", ["native"], indirect=True)

@@ -267,16 +267,17 @@ def _fp32_value(value):
     return torch.tensor(value, dtype=torch.float32).item()
 
 
-def _bias_correction(beta, count):
-    """fp32(1 - beta**count) computed in double, as the kernel does. Asserts that a pow off by up
-    to 3 units in the last place (CUDA's double pow is within 2) rounds to the same fp32 value, so
-    that the bitwise comparison does not depend on which pow computed it."""
+def _bias_correction(beta, count, of_power):
+    """fp32(of_power(beta**count)) computed in double, as the kernel does. Asserts that a pow off
+    by up to 3 units in the last place (CUDA's double pow is within 2) rounds to the same fp32
+    value, so that the bitwise comparison does not depend on which pow computed it."""
     power = beta ** count
     low, high = power, power
     for _ in range(3):
         low, high = math.nextafter(low, 0.0), math.nextafter(high, math.inf)
-    results = {_fp32_value(1.0 - p) for p in (low, power, high)}
-    assert len(results) == 1, f"1 - {beta}**{count} is too close to an fp32 rounding boundary"
+    results = {_fp32_value(of_power(p)) for p in (low, power, high)}
+    assert len(results) == 1, f"the correction of {beta}**{count} is too close to an fp32 " \
+                              f"rounding boundary"
     return results.pop()
 
 
@@ -295,11 +296,13 @@ def _adam_contract_step(state, lr, beta1, beta2, eps, weight_decay, adam_w_mode,
         m = _fp32(_fp32(b1 * m) + _fp32(b3 * g))
         v = _fp32(_fp32(b2 * v) + _fp32(_fp32(one_minus_b2 * g) * g))
         count = float(state["steps"][i]) + 1.0
-        bc1, bc2 = 1.0, 1.0
+        inv_bc1, inv_sqrt_bc2 = 1.0, 1.0
         if bias_correction:
-            bc1, bc2 = _bias_correction(beta1, count), _bias_correction(beta2, count)
-        denom = _fp32(_sqrt_rn(_fp32(v / bc2)) + eps32)
-        u = _fp32(_fp32(m / bc1) / denom)
+            inv_bc1 = _bias_correction(beta1, count, lambda power: 1.0 / (1.0 - power))
+            inv_sqrt_bc2 = _bias_correction(beta2, count,
+                                            lambda power: 1.0 / math.sqrt(1.0 - power))
+        denom = _fp32(_fp32(_sqrt_rn(v) * inv_sqrt_bc2) + eps32)
+        u = _fp32(_fp32(m * inv_bc1) / denom)
         if weight_decay != 0.0 and adam_w_mode:
             u = _fp32(u + _fp32(wd * p))
         p = _fp32(p - _fp32(lr * u))

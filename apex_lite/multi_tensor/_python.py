@@ -13,6 +13,7 @@ floating tensors of fp32/fp16/bf16, matching shapes, ``found_inf`` a 1-element f
 """
 from __future__ import annotations
 
+import math
 from typing import List, Sequence, Tuple, Union
 
 import torch
@@ -122,12 +123,14 @@ def nonfinite_flags(tensors: Tensors) -> torch.Tensor:
 #       g = g + momentum * buf  (nesterov)  or  g = buf
 #   if weight_decay != 0 and wd_after_momentum:      g = g + weight_decay * p
 #   p = p - lr * g
-# Adam (bias corrections bc1 = 1 - beta1**step, bc2 = 1 - beta2**step in double, then fp32;
-# 1 without bias_correction; step is the count after this step's increment):
+# Adam (reciprocal bias corrections r1 = 1 / (1 - beta1**step), r2 = 1 / sqrt(1 - beta2**step),
+# each computed in double and then rounded once to fp32; 1 without bias_correction; step is the
+# count after this step's increment; reciprocals so that an element costs one division):
 #   if weight_decay != 0 and not adam_w_mode:  g = g + weight_decay * p
 #   m = beta1 * m + (1 - beta1) * g
 #   v = beta2 * v + ((1 - beta2) * g) * g
-#   update = (m / bc1) / (sqrt(v / bc2) + eps)      (sqrt correctly rounded, see _sqrt_fp32)
+#   update = (m * r1) / (sqrt(v) * r2 + eps)   (sqrt correctly rounded, see _sqrt_fp32; rounded
+#                                               in the order m * r1, sqrt(v), * r2, + eps, /)
 #   if weight_decay != 0 and adam_w_mode:      update = update + weight_decay * p
 #   p = p - lr * update
 # LAMB (apex's): first g = g / clip, where clip = grad_norm / max_grad_norm when max_grad_norm > 0
@@ -215,13 +218,23 @@ def fused_sgd_(params: Tensors, grads: Tensors, momentum_buffers: Tensors, model
     _finish(params, p, model_params)
 
 
+def _reciprocal(x: float) -> float:
+    """1 / x in double with C++'s IEEE result at 0 (an infinity), where Python raises."""
+    return 1.0 / x if x != 0.0 else math.copysign(math.inf, x)
+
+
 def _bias_corrections(steps: Tensors, beta1: float, beta2: float, bias_correction: bool
                       ) -> Tuple[List[float], List[float]]:
-    """(bc1, bc2) per tensor for the step each is about to take, computed in double."""
+    """(r1, r2) per tensor for the step each is about to take: 1 / (1 - beta1**count) and
+    1 / sqrt(1 - beta2**count) computed in double as the native kernels do (a negative
+    1 - beta2**count gives NaN there, as in C++); the foreach ops that take them round them to
+    fp32."""
     if not bias_correction:
         return [1.0] * len(steps), [1.0] * len(steps)
     counts = [float(s) + 1.0 for s in steps]
-    return [1.0 - beta1 ** c for c in counts], [1.0 - beta2 ** c for c in counts]
+    bc2s = [1.0 - beta2 ** c for c in counts]
+    return ([_reciprocal(1.0 - beta1 ** c) for c in counts],
+            [_reciprocal(math.sqrt(bc2) if bc2 >= 0.0 else math.nan) for bc2 in bc2s])
 
 
 def _adam_updates(g: List[torch.Tensor], p: List[torch.Tensor], exp_avgs: Tensors,
@@ -236,10 +249,11 @@ def _adam_updates(g: List[torch.Tensor], p: List[torch.Tensor], exp_avgs: Tensor
     torch._foreach_add_(m, torch._foreach_mul(g, beta3))
     torch._foreach_mul_(v, beta2)
     torch._foreach_add_(v, torch._foreach_mul(torch._foreach_mul(g, 1.0 - beta2), g))
-    bc1, bc2 = _bias_corrections(steps, beta1, beta2, bias_correction)
-    denom = _sqrt_fp32(torch._foreach_div(v, bc2))
+    r1, r2 = _bias_corrections(steps, beta1, beta2, bias_correction)
+    denom = _sqrt_fp32(v)
+    torch._foreach_mul_(denom, r2)
     torch._foreach_add_(denom, eps)
-    update = torch._foreach_div(m, bc1)
+    update = torch._foreach_mul(m, r1)
     torch._foreach_div_(update, denom)
     if weight_decay != 0.0 and adam_w_mode:
         update = _plus_scaled(update, weight_decay, p)

@@ -6,12 +6,14 @@
 //   if weight_decay != 0 and not adam_w_mode:  g = g + weight_decay * p
 //   m = beta1 * m + (1 - beta1) * g
 //   v = beta2 * v + ((1 - beta2) * g) * g
-//   update = (m / bc1) / (sqrt(v / bc2) + eps)          (sqrt correctly rounded)
+//   update = (m * r1) / (sqrt(v) * r2 + eps)    (sqrt correctly rounded; rounded in the order
+//                                                m * r1, sqrt(v), * r2, + eps, /)
 //   if weight_decay != 0 and adam_w_mode:      update = update + weight_decay * p
 //   p = p - lr * update
 // then params[i] = round(p) and model_params[i] = round(p), each rounded once to its own dtype
-// (to nearest even), and steps[i] += 1. bc1 = 1 - beta1**count, bc2 = 1 - beta2**count in
-// double with count = steps[i] + 1, then fp32; 1 without bias_correction.
+// (to nearest even), and steps[i] += 1. r1 = 1 / (1 - beta1**count) and
+// r2 = 1 / sqrt(1 - beta2**count), each in double with count = steps[i] + 1, then rounded once to
+// fp32; 1 without bias_correction (reciprocals: one division per element rather than three).
 // params and model_params are fp32/fp16/bf16 (p = float(param): a half parameter without master
 // weights is updated in fp32 and rounded once), grads fp32/fp16/bf16 in any combination;
 // exp_avgs and exp_avg_sqs fp32 and shaped like the parameter; model_params empty or one per

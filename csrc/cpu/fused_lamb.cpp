@@ -8,13 +8,14 @@
 //   if weight_decay != 0 and not adam_w_mode:  g = g + weight_decay * p
 //   m = beta1 * m + beta3 * g                  (beta3 = 1 - beta1 with grad_averaging, else 1)
 //   v = beta2 * v + ((1 - beta2) * g) * g
-//   update = (m / bc1) / (sqrt(v / bc2) + eps)          (sqrt correctly rounded)
+//   update = (m * r1) / (sqrt(v) * r2 + eps)    (sqrt correctly rounded; rounded in the order
+//                                                m * r1, sqrt(v), * r2, + eps, /)
 //   if weight_decay != 0 and adam_w_mode:      update = update + weight_decay * p
 //   p = p - ratio * update
 // per tensor: ratio = lr * (||p|| / ||update||) when (use_nvlamb or weight_decay != 0) and both
 // norms are not 0 (fp32 norms of the fp32 values, p before the step), else lr. Then
 // params[i] = round(p), model_params[i] = round(p) (each to its own dtype, to nearest even) and
-// steps[i] += 1; bc1, bc2 as Adam's (fused_adam.cpp). grad_norm is the 1-element fp32 norm of the
+// steps[i] += 1; r1, r2 as Adam's (fused_adam.cpp). grad_norm is the 1-element fp32 norm of the
 // true gradients of the whole optimizer, computed by the caller. Dtypes, lists, found_inf and
 // layouts as fused_adam_: when found_inf is not 0 nothing is written at all.
 //

@@ -159,10 +159,11 @@ inline bool check_adam_args(const char* op, at::TensorList params, at::TensorLis
 
 // ---- step counts --------------------------------------------------------------------------
 
-// 1 - beta1**count and 1 - beta2**count for the step a tensor is about to take.
+// 1 / (1 - beta1**count) and 1 / sqrt(1 - beta2**count) for the step a tensor is about to take:
+// reciprocals, so that an element costs one division rather than three.
 struct BiasCorrection {
-  float bc1 = 1.0f;
-  float bc2 = 1.0f;
+  float inv_bc1 = 1.0f;
+  float inv_sqrt_bc2 = 1.0f;
 };
 
 // ---- storage types ------------------------------------------------------------------------
@@ -319,12 +320,12 @@ struct AdamTensor {
   float step_size;
 };
 
-// The direction from the updated moments: (m / bc1) / (sqrt(v / bc2) + eps), plus
+// The direction from the updated moments: (m * inv_bc1) / (sqrt(v) * inv_sqrt_bc2 + eps), plus
 // weight_decay * p in AdamW mode.
 template <typename V>
 inline V adam_direction(const AdamConstants& c, const BiasCorrection& bias, const V& p, const V& m,
                         const V& v) {
-  V update = (m / V(bias.bc1)) / (sqrt_lanes(v / V(bias.bc2)) + V(c.eps));
+  V update = (m * V(bias.inv_bc1)) / (sqrt_lanes(v) * V(bias.inv_sqrt_bc2) + V(c.eps));
   if (c.decay_update) update = update + V(c.weight_decay) * p;
   return update;
 }
@@ -418,8 +419,8 @@ class AdamLists {
       if (bias_correction) {
         const double count = static_cast<double>(*counts[i]) + 1.0;
         if (count != last_count) {
-          bias.bc1 = static_cast<float>(1.0 - std::pow(beta1, count));
-          bias.bc2 = static_cast<float>(1.0 - std::pow(beta2, count));
+          bias.inv_bc1 = static_cast<float>(1.0 / (1.0 - std::pow(beta1, count)));
+          bias.inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(beta2, count)));
           last_count = count;
         }
       }

@@ -11,11 +11,12 @@
 //   m = beta1 * m + beta3 * g                     (beta3 = 1 - beta1, or 1 for LAMB without
 //                                                  grad_averaging; in double, then fp32)
 //   v = beta2 * v + ((1 - beta2) * g) * g
-//   u = (m / bc1) / (sqrt(v / bc2) + eps)
+//   u = (m * inv_bc1) / (sqrt(v) * inv_sqrt_bc2 + eps)     (rounded in that order)
 //   u = u + weight_decay * p                      (weight_decay != 0, adam_w_mode)
 //   p = p - ratio * u                             (ratio = lr; LAMB's trust ratio, fused_lamb.cu)
-// bc1 = 1 - beta1**(step + 1), bc2 = 1 - beta2**(step + 1), computed in double from the
-// parameter's step count read on the device, then rounded to fp32 (1 without bias_correction).
+// inv_bc1 = 1 / (1 - beta1**(step + 1)), inv_sqrt_bc2 = 1 / sqrt(1 - beta2**(step + 1)), computed
+// in double from the parameter's step count read on the device, then rounded once to fp32 (1
+// without bias_correction): reciprocals, so that an element costs one division rather than three.
 // p is the fp32 value of the parameter (fp32, or fp16/bf16 without master weights), stored rounded
 // once to its dtype, and to the model parameter's dtype when model_params is given; m, v are fp32.
 //
@@ -84,8 +85,8 @@ struct AdamArgs {
 struct AdamBlockScalars {
   float inv_scale;
   float clip;    // the divisor of g (LAMB)
-  float bc1;
-  float bc2;
+  float inv_bc1;
+  float inv_sqrt_bc2;
   float step;    // steps[i] as read, before this step's increment
   float ratio;   // the factor of u in the parameter update
   bool skip;
@@ -112,12 +113,12 @@ __device__ __forceinline__ AdamBlockScalars adam_block_scalars(const AdamArgs& a
       }
     }
     s.step = *step;
-    s.bc1 = 1.0f;
-    s.bc2 = 1.0f;
+    s.inv_bc1 = 1.0f;
+    s.inv_sqrt_bc2 = 1.0f;
     if (a.bias_correction) {
       const double count = static_cast<double>(s.step) + 1.0;
-      s.bc1 = static_cast<float>(1.0 - pow(a.beta1_double, count));
-      s.bc2 = static_cast<float>(1.0 - pow(a.beta2_double, count));
+      s.inv_bc1 = static_cast<float>(1.0 / (1.0 - pow(a.beta1_double, count)));
+      s.inv_sqrt_bc2 = static_cast<float>(1.0 / sqrt(1.0 - pow(a.beta2_double, count)));
     }
     s.ratio = a.lr;
     if constexpr (Stage == AdamStage::kLambApply) {
@@ -152,8 +153,8 @@ __device__ __forceinline__ void adam_moments(float g, float& m, float& v, const 
 // The update direction u from the new moments (and, in AdamW mode, the decay of p).
 __device__ __forceinline__ float adam_direction(float m, float v, float p, const AdamArgs& a,
                                                 const AdamBlockScalars& block) {
-  const float denom = __fadd_rn(__fsqrt_rn(__fdiv_rn(v, block.bc2)), a.eps);
-  float u = __fdiv_rn(__fdiv_rn(m, block.bc1), denom);
+  const float denom = __fadd_rn(__fmul_rn(__fsqrt_rn(v), block.inv_sqrt_bc2), a.eps);
+  float u = __fdiv_rn(__fmul_rn(m, block.inv_bc1), denom);
   if (a.decay_update) {
     u = __fadd_rn(u, __fmul_rn(a.weight_decay, p));
   }
