@@ -20,9 +20,10 @@
 // p is the fp32 value of the parameter (fp32, or fp16/bf16 without master weights), stored rounded
 // once to its dtype, and to the model parameter's dtype when model_params is given; m, v are fp32.
 //
-// Against the Python backend on the CPU: m and v agree bit for bit; p can differ in its last bit
-// because torch's CPU sqrt is not correctly rounded (__fsqrt_rn is) and because CUDA's double pow
-// may differ from the host's in the last bit of the double (rarely visible after rounding to fp32).
+// Against the Python backend on the CPU: m and v agree bit for bit. p should too: the backend
+// takes its square roots correctly rounded (_sqrt_fp32), as __fsqrt_rn does; what remains is
+// CUDA's double pow, which may differ from the host's in the last bit of the double (rarely
+// visible after rounding to fp32). Not yet run on a GPU: the CUDA test keeps a tolerance on p.
 #pragma once
 
 #include <ATen/ATen.h>
