@@ -30,7 +30,7 @@ state 16, bf16 model 2 written). The steps read a little more than they write (A
 reads (a copy into a separate buffer, ``dst.copy_(src)``, runs at about 2/3 of the in-place
 rate here, so it is no floor).
 
-Every repetition runs each variant once, in turn; the table shows medians and the first
+Every repetition runs each variant once, in a shuffled order; the table shows medians and the first
 repetition (warm-up, state allocation) is dropped. GB/s is the ideal step's bytes over the time.
 
     python bench/optimizers.py [--device cuda] [--reps 7] [--threads N] [--only 1,2]
@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import random
 import statistics
 import sys
 from typing import Callable, Dict, List, Tuple
@@ -177,13 +178,20 @@ def make_workload(total: int, count: int, device, ops) -> Dict[str, Callable[[],
 
 
 def measure(variants: Dict[str, Callable[[], None]], reps: int, device) -> Dict[str, float]:
-    """Median seconds per variant, every repetition running each variant once, in turn."""
+    """Median seconds per variant, every repetition running each variant once, in an order
+    shuffled per repetition (seeded): a variant's time depends on what ran just before it (on
+    the 2-core CPU host the one after torch's O2 step ran up to 1.6x slower than the same step
+    elsewhere in the order), so no variant keeps one neighbour."""
     samples: Dict[str, List[float]] = {name: [] for name in variants}
+    order = list(variants)
+    shuffle = random.Random(0).shuffle
     for rep in range(reps + 1):   # the first repetition warms up and is dropped
-        for name, fn in variants.items():
+        for name in order:
+            fn = variants[name]
             elapsed = timed(lambda _: fn(), None, device)
             if rep:
                 samples[name].append(elapsed)
+        shuffle(order)
     return {name: statistics.median(times) for name, times in samples.items()}
 
 
