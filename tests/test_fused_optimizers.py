@@ -726,7 +726,7 @@ def test_lists_are_built_once_and_rebuilt_when_the_parameter_set_changes(monkeyp
     assert len(builds) == 11 and params[0] in opt.state
 
 
-# ---- lists held in C++ between steps (native backend, Adam) ------------------------------------------
+# ---- lists held in C++ between steps (native backend, Adam and SGD) ----------------------------------
 
 def require_native():
     """Skip on the Python backend, which holds no lists (fail where native was required)."""

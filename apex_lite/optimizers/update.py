@@ -37,9 +37,9 @@ and its number of entries stay the same; a new param group, a loaded state dict 
 entry therefore rebuild them. ``invalidate()`` forces a rebuild where nothing of that shows
 (a state tensor replaced in place: ``state[p]["exp_avg"] = t``). Per step and per tensor the only
 Python work is reading ``.grad``; and none at all where the native backend holds the lists in
-C++ (``hold_lists``; Adam and SGD): once a plan over every parameter is used a second time, its lists
-are handed to C++ once, and each later step passes only the scalars, the gradients read there.
-A step that finds a gradient missing or unusual there goes the list path for that step.
+C++ (``hold_lists``; Adam and SGD): once a plan over every parameter is used a second time, its
+lists are handed to C++ once, and each later step passes only the scalars, the gradients read
+there. A step that finds a gradient missing or unusual there goes the list path for that step.
 """
 from __future__ import annotations
 
