@@ -985,12 +985,21 @@ def test_apex_group_step_counts_move_into_the_parameters():
 
 
 def test_deepcopy_and_pickle_keep_apex_attributes():
-    opt = FusedSGD(make_params([(3,)]), lr=0.1, set_grad_none=True,
+    opt = FusedSGD(make_params([(3,)]), lr=0.1, momentum=0.9, set_grad_none=True,
                    materialize_master_grads=False)
-    for clone in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
+    param = opt.param_groups[0]["params"][0]
+    for step in range(3):   # from the second step its lists are held in C++ (native backend)
+        param.grad = torch.full((3,), float(step))
+        opt.step()
+    clones = [copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))]
+    param.grad = torch.ones(3)
+    opt.step()
+    for clone in clones:
         assert clone.set_grad_none is True and clone.materialize_master_grads is False
-        clone.param_groups[0]["params"][0].grad = torch.ones(3)
+        clone_param = clone.param_groups[0]["params"][0]
+        clone_param.grad = torch.ones(3)
         clone.step()
+        assert torch.equal(clone_param, param)
 
 
 # ---- zero_grad (apex's test_zero_grad_configuration) ----------------------------------------------------
