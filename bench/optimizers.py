@@ -2,7 +2,8 @@
 
 Workloads: 25M fp32 parameters in 200 tensors, and 4000 tensors of 2500 elements. Variants:
   sgd foreach, sgd fused       torch.optim.SGD(momentum=0.9, foreach=True / fused=True).step()
-  sgd ours                     apex_lite's fused_sgd_ called directly (fp32 grads, fp32 params)
+  sgd ours                     apex_lite's SGDUpdate (momentum 0.9), the update FusedSGD and
+                               amp's O2 step make: fp32 grads read from the params' .grad
   adamw foreach, adamw fused   torch.optim.AdamW(foreach=True / fused=True).step()
   adamw ours                   apex_lite's AdamUpdate (adam_w_mode), the update FusedAdam and
                                amp's O2 step make: fp32 grads read from the params' .grad
@@ -49,7 +50,7 @@ from typing import Callable, Dict, List, Tuple
 import torch
 
 from apex_lite.multi_tensor import _backend
-from apex_lite.optimizers import AdamHyper, AdamUpdate
+from apex_lite.optimizers import AdamHyper, AdamUpdate, SGDHyper, SGDUpdate
 from kernels import split_sizes, timed
 
 # (title, total parameters, tensors) per workload; the smoke sizes keep the shapes' character.
@@ -108,15 +109,12 @@ def make_workload(total: int, count: int, device, ops) -> Dict[str, Callable[[],
     found_inf = torch.zeros(1, device=device)
     one = torch.ones(1, device=device)
     inv_scale = torch.full((1,), INV_SCALE, device=device)
-    no_decay = 0.0
 
     # fp32 parameters with fp32 gradients, shared by the torch optimizers and ours; each
     # optimizer keeps its own state.
     params = [torch.nn.Parameter(torch.randn(n, device=device)) for n in sizes]
     for p in params:
         p.grad = torch.randn_like(p) * 1e-2
-    grads = [p.grad for p in params]
-    plain = [p.detach() for p in params]
     variants: Dict[str, Callable[[], None]] = {}
     for name, make in (("sgd", lambda **kw: torch.optim.SGD(params, lr=LR, momentum=MOMENTUM,
                                                                **kw)),
@@ -127,9 +125,11 @@ def make_workload(total: int, count: int, device, ops) -> Dict[str, Callable[[],
         for flavour in ("foreach", "fused"):
             variants[f"{name} {flavour}"] = make(**{flavour: True}).step
 
-    buffers = [torch.zeros_like(p) for p in plain]
-    variants["sgd ours"] = lambda: ops.fused_sgd_(plain, grads, buffers, [], one, found_inf, LR,
-                                                   MOMENTUM, 0.0, no_decay, False, False, False)
+    sgd_hyper = SGDHyper(LR, MOMENTUM, dampening=0.0, weight_decay=0.0, nesterov=False,
+                         wd_after_momentum=False)
+    sgd_state: dict = {}
+    sgd_update = SGDUpdate(params)
+    variants["sgd ours"] = lambda: sgd_update(sgd_state, one, found_inf, sgd_hyper)
     hyper = AdamHyper(LR, BETAS[0], BETAS[1], EPS, WEIGHT_DECAY, adam_w_mode=True,
                       bias_correction=True)
     adamw_state: dict = {}
