@@ -12,10 +12,10 @@ Two sets, one per staging policy for non-contiguous tensors:
   checks' Python loop is small beside that, and the common, contiguous path does not run it.
 The fused optimizer ops stage the same way: a list the op reads and writes (parameters, state)
 through contiguous copies, a list it only writes (model parameters) through fresh buffers.
-
 Both sets offer ``hold_lists``: an update's lists held in C++ between steps
 (``torch.classes.apex_lite.HeldLists``, csrc/held_lists.cpp), whose steps pass no list through
 Python.
+
 Imported only after ``apex_lite._C`` is loaded.
 """
 from __future__ import annotations
