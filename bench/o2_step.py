@@ -24,7 +24,7 @@ depending on when it ran. Targets (issue 9): O2
 with either AdamW no slower than 1.1x fp32 fused AdamW and no more than 1.0x its peak memory;
 with SGD without momentum, O2 memory <= fp32's.
 
-    python bench/o2_step.py                     # 8M parameters in 200 tensors, ~1 min
+    python bench/o2_step.py                     # 8M parameters in 200 tensors, ~3 min
     python bench/o2_step.py --tensors 4000      # the many-small-tensors case
     python bench/o2_step.py --smoke             # seconds: keeps this file working
 """

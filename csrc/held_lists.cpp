@@ -31,6 +31,7 @@
 
 #include "multi_tensor_checks.h"
 
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -62,43 +63,56 @@ class HeldLists : public torch::CustomClassHolder {
   bool fused_sgd_(const at::Tensor& inv_scale, const at::Tensor& found_inf, double lr,
                   double momentum, double dampening, double weight_decay, bool nesterov,
                   bool wd_after_momentum, bool first_run) {
-    TORCH_CHECK(state_.size() == 1, "HeldLists.fused_sgd_: the lists were built with ",
-                state_.size(), " state lists; SGD's is the momentum buffers");
-    Tensors grads;
-    if (!gather_grads(grads)) return false;
-    static const auto op =
-        c10::Dispatcher::singleton()
-            .findSchemaOrThrow("apex_lite::fused_sgd_", "")
-            .typed<void(at::TensorList, at::TensorList, at::TensorList, at::TensorList,
-                        const at::Tensor&, const at::Tensor&, double, double, double, double,
-                        bool, bool, bool)>();
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    op.call(params_, grads, state_[0], models_, inv_scale, found_inf, lr, momentum, dampening,
-            weight_decay, nesterov, wd_after_momentum, first_run);
-    return true;
+    expect_state_lists("fused_sgd_", 1, "the momentum buffers");
+    static const auto op = typed_op<void(
+        at::TensorList, at::TensorList, at::TensorList, at::TensorList, const at::Tensor&,
+        const at::Tensor&, double, double, double, double, bool, bool, bool)>("fused_sgd_");
+    return step_with_grads([&](const Tensors& grads) {
+      op.call(params_, grads, state_[0], models_, inv_scale, found_inf, lr, momentum, dampening,
+              weight_decay, nesterov, wd_after_momentum, first_run);
+    });
   }
 
   // One fused_adam_ step (state: exp_avgs, exp_avg_sqs, steps); false: nothing done, see above.
   bool fused_adam_(const at::Tensor& inv_scale, const at::Tensor& found_inf, double lr,
                    double beta1, double beta2, double eps, double weight_decay, bool adam_w_mode,
                    bool bias_correction) {
-    TORCH_CHECK(state_.size() == 3, "HeldLists.fused_adam_: the lists were built with ",
-                state_.size(), " state lists; Adam's are exp_avgs, exp_avg_sqs and steps");
-    Tensors grads;
-    if (!gather_grads(grads)) return false;
-    static const auto op =
-        c10::Dispatcher::singleton()
-            .findSchemaOrThrow("apex_lite::fused_adam_", "")
-            .typed<void(at::TensorList, at::TensorList, at::TensorList, at::TensorList,
-                        at::TensorList, at::TensorList, const at::Tensor&, const at::Tensor&,
-                        double, double, double, double, double, bool, bool)>();
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    op.call(params_, grads, state_[0], state_[1], models_, state_[2], inv_scale, found_inf, lr,
-            beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction);
-    return true;
+    expect_state_lists("fused_adam_", 3, "exp_avgs, exp_avg_sqs and steps");
+    static const auto op = typed_op<void(
+        at::TensorList, at::TensorList, at::TensorList, at::TensorList, at::TensorList,
+        at::TensorList, const at::Tensor&, const at::Tensor&, double, double, double, double,
+        double, bool, bool)>("fused_adam_");
+    return step_with_grads([&](const Tensors& grads) {
+      op.call(params_, grads, state_[0], state_[1], models_, state_[2], inv_scale, found_inf, lr,
+              beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction);
+    });
   }
 
  private:
+  // The registered op apex_lite::<name>, typed, for calls from C++.
+  template <typename Signature>
+  static c10::TypedOperatorHandle<Signature> typed_op(const char* name) {
+    return c10::Dispatcher::singleton()
+        .findSchemaOrThrow((std::string("apex_lite::") + name).c_str(), "")
+        .typed<Signature>();
+  }
+
+  void expect_state_lists(const char* op, size_t count, const char* which) const {
+    TORCH_CHECK(state_.size() == count, "HeldLists.", op, ": the lists were built with ",
+                state_.size(), " state lists; its state lists are ", which);
+  }
+
+  // call(grads) below autograd, as the list path's fallback runs the op, once every gradient is
+  // gathered; false, having done nothing, when one is not a gradient this path takes.
+  template <typename Call>
+  bool step_with_grads(Call&& call) const {
+    Tensors grads;
+    if (!gather_grads(grads)) return false;
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    call(grads);
+    return true;
+  }
+
   // grads = each source's .grad, when every one is a gradient this path takes. Each .grad is
   // three dependent reads away (the source's TensorImpl, its AutogradMeta, the gradient's
   // TensorImpl), each likely out of cache after the backward: they are asked for kAhead,

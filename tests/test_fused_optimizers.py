@@ -1356,10 +1356,7 @@ def _native_available():
 def test_backends_agree(monkeypatch, cls, kwargs):
     """The native CPU kernels and the Python reference: bit for bit for SGD and Adam (same
     roundings in the same order), LAMB within fp32 rounding of its norms."""
-    if _env_flag("APEX_LITE_DISABLE_EXT") or not _native_available():
-        if _env_flag("APEX_LITE_REQUIRE_EXT"):
-            pytest.fail("APEX_LITE_REQUIRE_EXT=1 but the native kernels are not available")
-        pytest.skip("the native extension is not built (or APEX_LITE_DISABLE_EXT=1)")
+    require_native()
     from apex_lite.multi_tensor import _python
     params = make_params()
     results = []
