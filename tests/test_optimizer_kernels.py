@@ -393,13 +393,29 @@ def test_late_step_counts(backend, device, kind):
     run_and_check(kind, backend, device, call, KIND_OPTIONS[kind])
 
 
+# Enough tensors that the CPU op reads their metadata in several parallel tasks (the Adam-like
+# ops' scan takes 128 parameters a task), empty ones among them.
+MANY_SIZES = [0 if i % 97 == 13 else 1 + (i * 37) % 300 for i in range(700)]
+
+
+@pytest.mark.parametrize("kind", ["adam", "lamb"])
+def test_many_tensors(backend, device, kind):
+    """Hundreds of tensors in one call, their step counts differing within and across the scan's
+    tasks (each task keeps its own last bias correction)."""
+    call = _make(kind, MANY_SIZES, "mixed", device)
+    for i in range(0, len(MANY_SIZES), 3):
+        call["steps"][i].fill_(float(i % 5))
+    run_and_check(kind, backend, device, call, KIND_OPTIONS[kind])
+
+
+@pytest.mark.parametrize("sizes", [[777 * 777, 555, 0, CHUNK + 1], MANY_SIZES],
+                         ids=["large", "many"])
 @pytest.mark.parametrize("kind", ["sgd", "adam"])
 @pytest.mark.parametrize("backend", ["native"], indirect=True)
-def test_backends_agree_bit_for_bit(backend, device, kind):
+def test_backends_agree_bit_for_bit(backend, device, kind, sizes):
     native = _backend.ops_for(torch.device(device))
     assert native is not _python
-    calls = {name: _make(kind, [777 * 777, 555, 0, CHUNK + 1], "mixed", device, seed=5)
-             for name in ("native", "python")}
+    calls = {name: _make(kind, sizes, "mixed", device, seed=5) for name in ("native", "python")}
     o = dict(HYPER[kind], **KIND_OPTIONS[kind])
     inv_scale_t = torch.tensor([f32(INV_SCALE)], device=device)
     for step in range(STEPS):
@@ -645,3 +661,22 @@ def test_bad_arguments_change_nothing(backend, device):
     for actual, saved in zip(call["exp_avgs"] + call["params"], before):
         assert_bits(actual, saved)
     assert [float(s) for s in call["steps"]] == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("kind", ["adam", "lamb"])
+@pytest.mark.parametrize("index", [0, 300, 699])
+@pytest.mark.parametrize("backend", ["native"], indirect=True)
+@pytest.mark.parametrize("device", ["cpu"], indirect=True)
+def test_bad_argument_among_many_tensors(backend, device, kind, index):
+    """A bad tensor in any of the parallel scan's tasks raises the error that names it, before
+    anything is written (parameters, state, model parameters, step counts)."""
+    call = _make(kind, MANY_SIZES, "O2-bf16", "cpu")
+    watched = call["params"] + call["exp_avgs"] + call["model_params"] + call["steps"]
+    before = [t.clone() for t in watched]
+    call["grads"][index] = call["grads"][index].double()
+    o = {**HYPER[kind], **KIND_OPTIONS[kind], "grad_norm": 1.0, "max_grad_norm": 1.0}
+    with pytest.raises(RuntimeError, match=rf"grads\[{index}\] has dtype Double"):
+        run_step(kind, _backend.ops_for(torch.device("cpu")), call, o, torch.ones(1),
+                 torch.zeros(1), torch.ones(1))
+    for actual, saved in zip(watched, before):
+        assert_bits(actual, saved)

@@ -20,8 +20,9 @@
 // parameter; steps, inv_scale and found_inf 1-element fp32 CPU tensors, read on the host. When
 // found_inf is not 0 nothing is written at all. The caller checks the gradients for inf and NaN;
 // this op flags nothing. CPU tensors of any strides (non-contiguous ones are staged through
-// contiguous copies and written back), possibly empty; 64-bit sizes and offsets. One
-// at::parallel_for over chunks spanning all tensors.
+// contiguous copies and written back), possibly empty; 64-bit sizes and offsets. The tensors'
+// metadata is read in one parallel scan (AdamCall), then one at::parallel_for over chunks
+// spanning all tensors steps them.
 #include "fused_optimizer_cpu.h"
 
 #include <torch/library.h>
@@ -35,17 +36,16 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
                  const at::Tensor& inv_scale, const at::Tensor& found_inf, double lr, double beta1,
                  double beta2, double eps, double weight_decay, bool adam_w_mode,
                  bool bias_correction) {
-  const bool all_contiguous = check_adam_args("fused_adam_", params, grads, exp_avgs,
-                                              exp_avg_sqs, model_params, steps, inv_scale,
-                                              found_inf);
+  const AdamCall call("fused_adam_", params, grads, exp_avgs, exp_avg_sqs, model_params, steps,
+                      inv_scale, found_inf, beta1, beta2, bias_correction,
+                      static_cast<float>(lr));
   if (read_scalar(found_inf) != 0.0f || params.empty()) return;
 
   const AdamConstants c =
       adam_constants(inv_scale, beta1, 1.0 - beta1, beta2, eps, weight_decay, adam_w_mode);
-  const AdamLists lists(params, grads, exp_avgs, exp_avg_sqs, model_params, all_contiguous);
-  adam_step_pass(c, lists,
-                 lists.start_step(steps, beta1, beta2, bias_correction, static_cast<float>(lr)));
-  lists.write_back();
+  call.count_step();
+  adam_step_pass(c, call);
+  call.write_back();
 }
 
 }  // namespace

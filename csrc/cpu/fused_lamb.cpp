@@ -79,19 +79,18 @@ using LambMomentsFn = std::pair<double, double> (*)(const AdamConstants&, const 
                                                     int64_t, int64_t);
 
 // Stage 1 over every parameter; sets each tensor's step_size to lr times its trust ratio.
-void lamb_trust_ratios(const AdamConstants& c, const AdamLists& lists,
-                       std::vector<AdamTensor>& tensors, float lr) {
-  const at::TensorList params = lists.params();
-  const size_t n = params.size();
+void lamb_trust_ratios(const AdamConstants& c, AdamCall& call, float lr) {
+  std::vector<AdamTensor>& tensors = call.tensors();
+  const size_t n = call.size();
   std::vector<LambMomentsFn> kernels(n);
   for (size_t i = 0; i < n; ++i) {
-    kernels[i] = visit_storage_type(params[i].scalar_type(), [&](auto p) {
-      return visit_storage_type(lists.grad_dtype(i), [&](auto g) {
+    kernels[i] = visit_storage_type(call.types()[i].param, [&](auto p) {
+      return visit_storage_type(call.types()[i].grad, [&](auto g) {
         return &lamb_moments_segment<typename decltype(p)::type, typename decltype(g)::type>;
       });
     });
   }
-  const auto offsets = element_offsets(params);
+  const std::vector<int64_t>& offsets = call.offsets();
   const auto starts = segment_starts(offsets);
   std::vector<double> p_partials(starts.back()), update_partials(starts.back());
   parallel_indexed_segments(offsets, starts,
@@ -111,18 +110,17 @@ void lamb_trust_ratios(const AdamConstants& c, const AdamLists& lists,
 }
 
 // Stage 2 over every parameter: p = p - step_size * update, the update from the stored moments.
-void lamb_apply(const AdamConstants& c, const AdamLists& lists,
-                const std::vector<AdamTensor>& tensors) {
-  const at::TensorList params = lists.params();
-  std::vector<AdamStepFn> kernels(params.size());
-  for (size_t i = 0; i < params.size(); ++i) {
-    kernels[i] = visit_storage_type(params[i].scalar_type(), [&](auto p) {
-      return visit_optional_storage_type(lists.model(i), [&](auto m) {
+void lamb_apply(const AdamConstants& c, const AdamCall& call) {
+  const std::vector<AdamTensor>& tensors = call.tensors();
+  std::vector<AdamStepFn> kernels(call.size());
+  for (size_t i = 0; i < call.size(); ++i) {
+    kernels[i] = visit_storage_type(call.types()[i].param, [&](auto p) {
+      return visit_optional_storage_type(call.types()[i].model, [&](auto m) {
         return &AdamStep<typename decltype(p)::type, void, typename decltype(m)::type>::run;
       });
     });
   }
-  parallel_segments(element_offsets(params), [&](int64_t t, int64_t begin, int64_t length) {
+  parallel_segments(call.offsets(), [&](int64_t t, int64_t begin, int64_t length) {
     kernels[t](c, tensors[t], begin, length);
   });
 }
@@ -134,8 +132,9 @@ void fused_lamb_(at::TensorList params, at::TensorList grads, at::TensorList exp
                  double weight_decay, bool adam_w_mode, bool bias_correction, bool grad_averaging,
                  double max_grad_norm, bool use_nvlamb) {
   const char* op = "fused_lamb_";
-  const bool all_contiguous = check_adam_args(op, params, grads, exp_avgs, exp_avg_sqs,
-                                              model_params, steps, inv_scale, found_inf);
+  const float lr32 = static_cast<float>(lr);
+  AdamCall call(op, params, grads, exp_avgs, exp_avg_sqs, model_params, steps, inv_scale,
+                found_inf, beta1, beta2, bias_correction, lr32);
   check_scalar_tensor(op, "grad_norm", grad_norm);
   if (read_scalar(found_inf) != 0.0f || params.empty()) return;
 
@@ -146,17 +145,14 @@ void fused_lamb_(at::TensorList params, at::TensorList grads, at::TensorList exp
   c.clip_grad = max_grad_norm > 0.0 && norm > limit;
   c.clip = c.clip_grad ? norm / limit : 1.0f;
 
-  const float lr32 = static_cast<float>(lr);
-  const AdamLists lists(params, grads, exp_avgs, exp_avg_sqs, model_params, all_contiguous);
-  std::vector<AdamTensor> tensors =
-      lists.start_step(steps, beta1, beta2, bias_correction, lr32);
+  call.count_step();
   if (use_nvlamb || weight_decay != 0.0) {
-    lamb_trust_ratios(c, lists, tensors, lr32);
-    lamb_apply(c, lists, tensors);
+    lamb_trust_ratios(c, call, lr32);
+    lamb_apply(c, call);
   } else {
-    adam_step_pass(c, lists, tensors);
+    adam_step_pass(c, call);
   }
-  lists.write_back();
+  call.write_back();
 }
 
 }  // namespace

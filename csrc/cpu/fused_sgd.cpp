@@ -122,7 +122,8 @@ void fused_sgd_(at::TensorList given_params, at::TensorList given_grads,
     tensors[i] = SgdTensor{params[i].data_ptr(), grads[i].data_ptr(),
                            use_momentum ? buffers[i].data_ptr<float>() : nullptr,
                            model ? model->data_ptr() : nullptr};
-    kernels[i] = step_kernel_for<SgdStep>(params[i].scalar_type(), grads[i].scalar_type(), model);
+    kernels[i] = step_kernel_for<SgdStep>(
+        StepTypes{params[i].scalar_type(), grads[i].scalar_type(), model_dtype(model)});
   }
   parallel_segments(element_offsets(params), [&](int64_t t, int64_t begin, int64_t length) {
     kernels[t](c, tensors[t], begin, length);
