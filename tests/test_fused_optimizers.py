@@ -27,6 +27,7 @@ import re
 
 import pytest
 import torch
+import torch.utils._python_dispatch
 from torch.optim.optimizer import required
 
 import apex_lite.optimizers.update as update_module
@@ -828,6 +829,56 @@ def test_held_lists_refuse_as_the_list_path(monkeypatch):
     with pytest.raises(RuntimeError, match="dense gradients only"):
         opt.step()
     assert_unchanged(opt, params, before)
+
+
+class _DispatchLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the name of every op dispatched under it, and runs it."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.name())
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("observer", ["dispatch-mode", "profiler"])
+@pytest.mark.parametrize("cls,kwargs,op", [
+    (FusedAdam, dict(lr=1e-2, weight_decay=0.1), "fused_adam_"),
+    (FusedSGD, dict(lr=0.1, momentum=0.9), "fused_sgd_")], ids=["adam", "sgd"])
+def test_held_step_is_seen_by_dispatch_modes_and_the_profiler(monkeypatch, cls, kwargs, op,
+                                                              observer):
+    """The held step skips the dispatcher's choice of kernel only where that choice is the
+    device's kernel anyway: under a TorchDispatchMode the mode sees the op, under torch.profiler
+    the op is recorded, and the step gives the bits of the same step outside them."""
+    require_native()
+    counting = count_op_calls(monkeypatch)
+    params = make_params(SHAPES[:3])
+    observed, plain = copies(params), copies(params)
+    observed_opt, plain_opt = cls(observed, **kwargs), cls(plain, **kwargs)
+    shapes = [p.shape for p in params]
+    for step in range(4):
+        for ps, opt in ((observed, observed_opt), (plain, plain_opt)):
+            set_grads(ps, grads_for(step, shapes))
+            if step < 3 or opt is plain_opt:
+                opt.step()
+                continue
+            held_before = counting[torch.device("cpu")].calls.count("held " + op)
+            if observer == "dispatch-mode":
+                with _DispatchLog() as log:
+                    opt.step()
+                assert [n for n in log.names if n.startswith("apex_lite")] == ["apex_lite::" + op]
+            else:
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) \
+                        as profile:
+                    opt.step()
+                assert "apex_lite::" + op in [event.name for event in profile.events()]
+            assert counting[torch.device("cpu")].calls.count("held " + op) == held_before + 1
+    assert_bitwise(observed, plain)
+    for p, q in zip(observed, plain):
+        for key, value in observed_opt.state[p].items():
+            assert torch.equal(value, plain_opt.state[q][key]), key
 
 
 def test_held_lists_follow_a_loaded_state_and_invalidate(monkeypatch):
