@@ -21,8 +21,8 @@
 // found_inf is not 0 nothing is written at all. The caller checks the gradients for inf and NaN;
 // this op flags nothing. CPU tensors of any strides (non-contiguous ones are staged through
 // contiguous copies and written back), possibly empty; 64-bit sizes and offsets. The tensors'
-// metadata is read in one parallel scan (AdamCall), then one at::parallel_for over chunks
-// spanning all tensors steps them.
+// metadata is read in one parallel scan (AdamCall, a PlannedCall), then one at::parallel_for
+// over chunks spanning all tensors steps them.
 #include "fused_optimizer_cpu.h"
 
 #include <torch/library.h>

@@ -80,7 +80,7 @@ using LambMomentsFn = std::pair<double, double> (*)(const AdamConstants&, const 
 
 // Stage 1 over every parameter; sets each tensor's step_size to lr times its trust ratio.
 void lamb_trust_ratios(const AdamConstants& c, AdamCall& call, float lr) {
-  std::vector<AdamTensor>& tensors = call.tensors();
+  std::vector<AdamTensor>& tensors = call.entries();
   const size_t n = call.size();
   std::vector<LambMomentsFn> kernels(n);
   for (size_t i = 0; i < n; ++i) {
@@ -111,7 +111,7 @@ void lamb_trust_ratios(const AdamConstants& c, AdamCall& call, float lr) {
 
 // Stage 2 over every parameter: p = p - step_size * update, the update from the stored moments.
 void lamb_apply(const AdamConstants& c, const AdamCall& call) {
-  const std::vector<AdamTensor>& tensors = call.tensors();
+  const std::vector<AdamTensor>& tensors = call.entries();
   std::vector<AdamStepFn> kernels(call.size());
   for (size_t i = 0; i < call.size(); ++i) {
     kernels[i] = visit_storage_type(call.types()[i].param, [&](auto p) {

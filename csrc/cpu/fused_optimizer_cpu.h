@@ -14,6 +14,7 @@
 #include "multi_tensor_cpu.h"
 
 #include <cmath>
+#include <array>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
@@ -150,6 +151,185 @@ inline auto step_kernel_for(const StepTypes& types) {
   });
 }
 
+// ---- a call's plan --------------------------------------------------------------------------
+
+// The tensor lists of a fused optimizer call: params, grads and models (empty, or one model
+// parameter per parameter) of fp32, fp16 or bf16; up to two lists of fp32 state shaped like the
+// parameters; and for the Adam-like ops (counted) one step count per parameter, a 1-element fp32
+// tensor.
+struct StepLists {
+  at::TensorList params, grads, models;
+  std::array<at::TensorList, 2> state{};
+  size_t state_lists = 0;
+  at::TensorList steps;
+  bool counted = false;
+};
+
+// A fused optimizer call checked and planned before anything is written: per parameter the
+// Planner's Entry (where its tensors are and what else its kernel takes), its dtypes, and its
+// first element in the call's index space, all read in one scan over the lists.
+//
+// With thousands of small tensors the scan is a walk over TensorImpls and StorageImpls that the
+// previous step's pass pushed out of cache, about four lines per tensor. When every tensor is
+// contiguous and passes the checks (the common case) the scan runs on all threads, each over its
+// own range of parameters with the lines it will read asked for ahead, so the misses of both
+// cores overlap (O2 AdamW, 4000 parameters, 2-core CPU: 0.65-0.7 ms, where a serial check scan
+// and a serial pointer scan took 1.2 ms). Otherwise the op's own checks run, raising the first
+// failure's error, and a call that passes them (it has non-contiguous tensors) is planned
+// serially over contiguous stand-ins, which write_back() copies into the originals.
+//
+// Planner: `Entry entry(const StepLists&, size_t i, Cache&) const` for checked, contiguous lists,
+// with one Cache per scanning task (Adam: the bias corrections of the last count seen).
+template <typename Planner>
+class PlannedCall {
+ public:
+  using Entry = typename Planner::Entry;
+
+  // check(): the op's own checks, which raise the first failure's error and return for a call
+  // that is merely non-contiguous; run when the scan finds anything unusual, or at once when
+  // scan is false (the caller saw a list-level problem the scan does not look for).
+  template <typename Check>
+  PlannedCall(const StepLists& lists, Planner planner, Check&& check, bool scan = true)
+      : planner_(std::move(planner)) {
+    if (!scan || !plan_if_contiguous(lists)) {
+      check();
+      plan_staged(lists);
+    }
+  }
+
+  size_t size() const { return entries_.size(); }
+  const Planner& planner() const { return planner_; }
+  const std::vector<Entry>& entries() const { return entries_; }
+  std::vector<Entry>& entries() { return entries_; }
+  const std::vector<StepTypes>& types() const { return types_; }
+  // offsets()[i]: the first element of parameter i in the call's index space; back(): the total.
+  const std::vector<int64_t>& offsets() const { return offsets_; }
+
+  // Copies the results into the non-contiguous originals (parameters, state, model
+  // parameters); nothing to do in the common case.
+  void write_back() const {
+    for (const ContiguousList& list : written_) list.write_back();
+  }
+
+ private:
+  // Parameters per task of the parallel scan.
+  static constexpr int64_t kScanGrain = 128;
+
+  void resize(size_t n) {
+    entries_.resize(n);
+    types_.resize(n);
+    offsets_.assign(n + 1, 0);
+  }
+
+  // Entry i, its dtypes and (in offsets_[i + 1], summed by sum_offsets) its element count.
+  void plan_entry(const StepLists& l, size_t i, typename Planner::Cache& cache) {
+    const at::Tensor* model = l.models.empty() ? nullptr : &l.models[i];
+    entries_[i] = planner_.entry(l, i, cache);
+    types_[i] = StepTypes{l.params[i].scalar_type(), l.grads[i].scalar_type(), model_dtype(model)};
+    offsets_[i + 1] = l.params[i].numel();
+  }
+
+  void sum_offsets() {
+    for (size_t i = 0; i < entries_.size(); ++i) offsets_[i + 1] += offsets_[i];
+  }
+
+  // The scan of the common case. False (the plan is then incomplete and is redone) when a list
+  // has the wrong length, or a tensor fails a check or is not contiguous.
+  bool plan_if_contiguous(const StepLists& l) {
+    const size_t n = l.params.size();
+    const bool has_model = !l.models.empty();
+    bool lengths = l.grads.size() == n && (!has_model || l.models.size() == n) &&
+                   (!l.counted || l.steps.size() == n);
+    for (size_t s = 0; s < l.state_lists; ++s) lengths = lengths && l.state[s].size() == n;
+    if (!lengths) return false;
+    resize(n);
+    const auto stepped = [](const at::Tensor& t, at::IntArrayRef sizes) {
+      return is_supported_dtype(t.scalar_type()) && t.device().is_cpu() && t.sizes() == sizes &&
+             t.is_contiguous();
+    };
+    const auto state = [](const at::Tensor& t, at::IntArrayRef sizes) {
+      return t.scalar_type() == at::kFloat && t.device().is_cpu() && t.sizes() == sizes &&
+             t.is_contiguous();
+    };
+    std::atomic<bool> passed{true};
+    at::parallel_for(0, static_cast<int64_t>(n), kScanGrain, [&](int64_t begin, int64_t end) {
+      const size_t last = static_cast<size_t>(end);
+      typename Planner::Cache cache;
+      for (size_t i = static_cast<size_t>(begin); i < last; ++i) {
+        prefetch_ahead(l, i, last);
+        const at::IntArrayRef sizes = l.params[i].sizes();
+        bool ok = stepped(l.params[i], sizes) && stepped(l.grads[i], sizes) &&
+                  (!has_model || stepped(l.models[i], sizes));
+        for (size_t s = 0; s < l.state_lists; ++s) ok = ok && state(l.state[s][i], sizes);
+        if (l.counted) {
+          const at::Tensor& step = l.steps[i];
+          ok = ok && step.scalar_type() == at::kFloat && step.device().is_cpu() &&
+               step.numel() == 1;
+        }
+        if (!ok) {
+          passed.store(false, std::memory_order_relaxed);
+          return;
+        }
+        if ((i & 63) == 0 && !passed.load(std::memory_order_relaxed)) return;
+        plan_entry(l, i, cache);
+      }
+    });
+    if (!passed.load()) return false;
+    sum_offsets();
+    return true;
+  }
+
+  // The other case, once the checks have passed: contiguous stand-ins for the non-contiguous
+  // tensors, planned serially.
+  void plan_staged(const StepLists& l) {
+    using Use = ContiguousList::Use;
+    read_.emplace_back(l.grads, Use::kRead);
+    written_.reserve(2 + l.state_lists);
+    written_.emplace_back(l.params, Use::kRead);
+    written_.emplace_back(l.models, Use::kWrite);
+    for (size_t s = 0; s < l.state_lists; ++s) written_.emplace_back(l.state[s], Use::kRead);
+    StepLists staged = l;
+    staged.grads = read_[0].list();
+    staged.params = written_[0].list();
+    staged.models = written_[1].list();
+    for (size_t s = 0; s < l.state_lists; ++s) staged.state[s] = written_[2 + s].list();
+    resize(staged.params.size());
+    typename Planner::Cache cache;
+    for (size_t i = 0; i < staged.params.size(); ++i) plan_entry(staged, i, cache);
+    sum_offsets();
+  }
+
+  // Asks for what the scan will read of the parameters ahead of i (in [i, end)): the TensorImpls
+  // 2 * kMetadataAhead ahead, their StorageImpls kMetadataAhead ahead (the TensorImpl arrived by
+  // then), the count kMetadataAhead / 2 ahead.
+  static void prefetch_ahead(const StepLists& l, size_t i, size_t end) {
+    const auto each_list = [&](auto&& fn) {
+      fn(l.params);
+      fn(l.grads);
+      if (!l.models.empty()) fn(l.models);
+      for (size_t s = 0; s < l.state_lists; ++s) fn(l.state[s]);
+      if (l.counted) fn(l.steps);
+    };
+    if (i + 2 * kMetadataAhead < end) {
+      each_list([&](at::TensorList list) { prefetch_tensor_impl(list[i + 2 * kMetadataAhead]); });
+    }
+    if (i + kMetadataAhead < end) {
+      each_list([&](at::TensorList list) { prefetch_storage_impl(list[i + kMetadataAhead]); });
+    }
+    if (l.counted && i + kMetadataAhead / 2 < end) {
+      __builtin_prefetch(l.steps[i + kMetadataAhead / 2].const_data_ptr());
+    }
+  }
+
+  Planner planner_;
+  std::vector<Entry> entries_;
+  std::vector<StepTypes> types_;
+  std::vector<int64_t> offsets_;
+  // Stand-ins of the non-contiguous case (empty otherwise): read_ (grads) and written_ (params,
+  // model_params, then the state lists).
+  std::vector<ContiguousList> read_, written_;
+};
+
 // &base[index] as a T*, or nullptr when T is void (an absent tensor).
 template <typename T>
 inline T* element_ptr(void* base, int64_t index) {
@@ -261,6 +441,7 @@ struct AdamTensor {
   void* model;  // nullptr: no model parameter
   BiasCorrection bias;
   float step_size;
+  float* count;  // the step count, which AdamCall::count_step increments
 };
 
 // The direction from the updated moments: (m * inv_bc1) / (sqrt(v) * inv_sqrt_bc2 + eps), plus
@@ -316,207 +497,66 @@ struct AdamStep {
 
 using AdamStepFn = void (*)(const AdamConstants&, const AdamTensor&, int64_t, int64_t);
 
-// An Adam-like call (fused_adam_, fused_lamb_) checked and planned before anything is written:
-// per parameter where its tensors are (AdamTensor: data pointers, the bias corrections of its
-// count, step_size as its factor), their dtypes, and its first element in the call's index
-// space, all read in one scan over the lists.
-//
-// With thousands of small tensors the scan is a walk over TensorImpls and StorageImpls that the
-// previous step's pass pushed out of cache, about four lines per tensor. When every tensor is
-// contiguous and passes the checks (the common case) the scan runs on all threads, each over its
-// own range of parameters with the lines it will read asked for ahead, so the misses of both
-// cores overlap (O2 AdamW, 4000 parameters, 2-core CPU: 0.65-0.7 ms, where a serial check scan
-// and a serial pointer scan took 1.2 ms). Otherwise the checks themselves run, raising the first failure's error as they
-// always did, and a call that passes them (it has non-contiguous tensors) is planned serially
-// over contiguous stand-ins, which write_back() copies into the originals.
-//
-// Bias corrections are computed from each count + 1 in double, then rounded to fp32 (all 1
-// without bias correction); tensors with the same count, the common case, share one pow.
-class AdamCall {
+// The plan entries of an Adam-like call (fused_adam_, fused_lamb_): the bias corrections of
+// each count + 1, in double then rounded to fp32 (all 1 without bias correction; tensors with
+// the same count, the common case, share one pow), step_size as the factor, and the count that
+// count_step() increments.
+struct AdamPlanner {
+  using Entry = AdamTensor;
+  struct Cache {
+    double count = std::numeric_limits<double>::quiet_NaN();
+    BiasCorrection bias;
+  };
+
+  double beta1, beta2;
+  bool bias_correction;
+  float step_size;
+
+  AdamTensor entry(const StepLists& l, size_t i, Cache& cache) const {
+    float* count = l.steps[i].data_ptr<float>();
+    if (bias_correction) {
+      const double next = static_cast<double>(*count) + 1.0;
+      if (next != cache.count) {
+        cache.bias.inv_bc1 = static_cast<float>(1.0 / (1.0 - std::pow(beta1, next)));
+        cache.bias.inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(beta2, next)));
+        cache.count = next;
+      }
+    }
+    return AdamTensor{l.params[i].data_ptr(),
+                      l.grads[i].const_data_ptr(),
+                      l.state[0][i].data_ptr<float>(),
+                      l.state[1][i].data_ptr<float>(),
+                      l.models.empty() ? nullptr : l.models[i].data_ptr(),
+                      cache.bias,
+                      step_size,
+                      count};
+  }
+};
+
+// An Adam-like call checked and planned (PlannedCall): state lists exp_avgs and exp_avg_sqs, one
+// count per parameter.
+class AdamCall : public PlannedCall<AdamPlanner> {
  public:
   AdamCall(const char* op, at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
            at::TensorList exp_avg_sqs, at::TensorList model_params, at::TensorList steps,
            const at::Tensor& inv_scale, const at::Tensor& found_inf, double beta1, double beta2,
            bool bias_correction, float step_size)
-      : beta1_(beta1), beta2_(beta2), bias_correction_(bias_correction), step_size_(step_size) {
-    const Lists given{params, grads, exp_avgs, exp_avg_sqs, model_params, steps};
-    if (!plan_if_contiguous(given)) {
-      check_step_args(op, params, grads, model_params, inv_scale, found_inf);
-      check_state_list(op, "exp_avgs", exp_avgs, params);
-      check_state_list(op, "exp_avg_sqs", exp_avg_sqs, params);
-      check_steps(op, steps, params);
-      plan_staged(given);
-    }
+      : PlannedCall(StepLists{params, grads, model_params, {exp_avgs, exp_avg_sqs}, 2, steps, true},
+                    AdamPlanner{beta1, beta2, bias_correction, step_size}, [&] {
+                      check_step_args(op, params, grads, model_params, inv_scale, found_inf);
+                      check_state_list(op, "exp_avgs", exp_avgs, params);
+                      check_state_list(op, "exp_avg_sqs", exp_avg_sqs, params);
+                      check_steps(op, steps, params);
+                    }) {
     check_scalar_tensor(op, "inv_scale", inv_scale);
     check_found_inf(op, found_inf);
   }
 
-  size_t size() const { return tensors_.size(); }
-  const std::vector<AdamTensor>& tensors() const { return tensors_; }
-  std::vector<AdamTensor>& tensors() { return tensors_; }
-  const std::vector<StepTypes>& types() const { return types_; }
-  // offsets()[i]: the first element of parameter i in the call's index space; back(): the total.
-  const std::vector<int64_t>& offsets() const { return offsets_; }
-
   // steps[i] += 1 in fp32 for every parameter. Every count was read by the scan, so a step tensor
   // passed for two parameters is read twice, then incremented twice.
   void count_step() const {
-    for (float* count : counts_) *count += 1.0f;
+    for (const AdamTensor& t : entries()) *t.count += 1.0f;
   }
-
-  // Copies the results into the non-contiguous originals (parameters, moments, model
-  // parameters); nothing to do in the common case.
-  void write_back() const {
-    for (const ContiguousList& list : written_) list.write_back();
-  }
-
- private:
-  struct Lists {
-    at::TensorList params, grads, exp_avgs, exp_avg_sqs, models, steps;
-  };
-
-  // Parameters per task of the parallel scan.
-  static constexpr int64_t kScanGrain = 128;
-
-  void resize(size_t n) {
-    tensors_.resize(n);
-    types_.resize(n);
-    offsets_.assign(n + 1, 0);
-    counts_.resize(n);
-  }
-
-  // offsets_[i + 1] holds parameter i's element count; make them offsets.
-  void sum_offsets() {
-    for (size_t i = 0; i < tensors_.size(); ++i) offsets_[i + 1] += offsets_[i];
-  }
-
-  // The scan of the common case. False (the plan is then incomplete and is redone) when a list
-  // has the wrong length, or a tensor fails a check of check_step_args, check_state_list or
-  // check_steps or is not contiguous.
-  bool plan_if_contiguous(const Lists& l) {
-    const size_t n = l.params.size();
-    const bool has_model = !l.models.empty();
-    if (l.grads.size() != n || l.exp_avgs.size() != n || l.exp_avg_sqs.size() != n ||
-        l.steps.size() != n || (has_model && l.models.size() != n)) {
-      return false;
-    }
-    resize(n);
-    const auto stepped = [](const at::Tensor& t) {
-      return is_supported_dtype(t.scalar_type()) && t.device().is_cpu() && t.is_contiguous();
-    };
-    const auto state = [](const at::Tensor& t, at::IntArrayRef sizes) {
-      return t.scalar_type() == at::kFloat && t.device().is_cpu() && t.sizes() == sizes &&
-             t.is_contiguous();
-    };
-    std::atomic<bool> passed{true};
-    at::parallel_for(0, static_cast<int64_t>(n), kScanGrain, [&](int64_t begin, int64_t end) {
-      const size_t last = static_cast<size_t>(end);
-      BiasCache bias;
-      for (size_t i = static_cast<size_t>(begin); i < last; ++i) {
-        prefetch_ahead(l, i, last);
-        const at::Tensor& p = l.params[i];
-        const at::IntArrayRef sizes = p.sizes();
-        const at::Tensor& step = l.steps[i];
-        const bool ok =
-            stepped(p) && stepped(l.grads[i]) && l.grads[i].sizes() == sizes &&
-            state(l.exp_avgs[i], sizes) && state(l.exp_avg_sqs[i], sizes) &&
-            step.scalar_type() == at::kFloat && step.device().is_cpu() && step.numel() == 1 &&
-            (!has_model || (stepped(l.models[i]) && l.models[i].sizes() == sizes));
-        if (!ok) {
-          passed.store(false, std::memory_order_relaxed);
-          return;
-        }
-        if ((i & 63) == 0 && !passed.load(std::memory_order_relaxed)) return;
-        plan_entry(l, i, bias);
-      }
-    });
-    if (!passed.load()) return false;
-    sum_offsets();
-    return true;
-  }
-
-  // The other case, once the checks have passed: contiguous stand-ins for the non-contiguous
-  // tensors, planned serially.
-  void plan_staged(const Lists& l) {
-    using Use = ContiguousList::Use;
-    written_.reserve(4);
-    read_.emplace_back(l.grads, Use::kRead);
-    written_.emplace_back(l.params, Use::kRead);
-    written_.emplace_back(l.exp_avgs, Use::kRead);
-    written_.emplace_back(l.exp_avg_sqs, Use::kRead);
-    written_.emplace_back(l.models, Use::kWrite);
-    const Lists staged{written_[0].list(), read_[0].list(), written_[1].list(),
-                       written_[2].list(), written_[3].list(), l.steps};
-    resize(staged.params.size());
-    BiasCache bias;
-    for (size_t i = 0; i < staged.params.size(); ++i) plan_entry(staged, i, bias);
-    sum_offsets();
-  }
-
-  // The corrections of the last count a scan saw.
-  struct BiasCache {
-    double count = std::numeric_limits<double>::quiet_NaN();
-    BiasCorrection bias;
-  };
-
-  // Asks for what the scan will read of the parameters ahead of i (in [i, end)): the TensorImpls
-  // 2 * kMetadataAhead ahead, their StorageImpls kMetadataAhead ahead (the TensorImpl arrived by
-  // then), the count kMetadataAhead / 2 ahead.
-  static void prefetch_ahead(const Lists& l, size_t i, size_t end) {
-    if (i + 2 * kMetadataAhead < end) {
-      const size_t k = i + 2 * kMetadataAhead;
-      for (const at::TensorList list : {l.params, l.grads, l.exp_avgs, l.exp_avg_sqs, l.steps}) {
-        prefetch_tensor_impl(list[k]);
-      }
-      if (!l.models.empty()) prefetch_tensor_impl(l.models[k]);
-    }
-    if (i + kMetadataAhead < end) {
-      const size_t k = i + kMetadataAhead;
-      for (const at::TensorList list : {l.params, l.grads, l.exp_avgs, l.exp_avg_sqs, l.steps}) {
-        prefetch_storage_impl(list[k]);
-      }
-      if (!l.models.empty()) prefetch_storage_impl(l.models[k]);
-    }
-    if (i + kMetadataAhead / 2 < end) {
-      __builtin_prefetch(l.steps[i + kMetadataAhead / 2].const_data_ptr());
-    }
-  }
-
-  // Entry i of the plan from lists whose tensors are contiguous (and checked).
-  void plan_entry(const Lists& l, size_t i, BiasCache& cache) {
-    float* count = l.steps[i].data_ptr<float>();
-    if (bias_correction_) {
-      const double next = static_cast<double>(*count) + 1.0;
-      if (next != cache.count) {
-        cache.bias.inv_bc1 = static_cast<float>(1.0 / (1.0 - std::pow(beta1_, next)));
-        cache.bias.inv_sqrt_bc2 =
-            static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(beta2_, next)));
-        cache.count = next;
-      }
-    }
-    const at::Tensor* model = l.models.empty() ? nullptr : &l.models[i];
-    tensors_[i] = AdamTensor{l.params[i].data_ptr(),
-                             l.grads[i].const_data_ptr(),
-                             l.exp_avgs[i].data_ptr<float>(),
-                             l.exp_avg_sqs[i].data_ptr<float>(),
-                             model == nullptr ? nullptr : model->data_ptr(),
-                             cache.bias,
-                             step_size_};
-    types_[i] = StepTypes{l.params[i].scalar_type(), l.grads[i].scalar_type(), model_dtype(model)};
-    offsets_[i + 1] = l.params[i].numel();
-    counts_[i] = count;
-  }
-
-  double beta1_, beta2_;
-  bool bias_correction_;
-  float step_size_;
-  std::vector<AdamTensor> tensors_;
-  std::vector<StepTypes> types_;
-  std::vector<int64_t> offsets_;
-  std::vector<float*> counts_;
-  // Stand-ins of the non-contiguous case (empty otherwise): read_ (grads) and written_ (params,
-  // exp_avgs, exp_avg_sqs, model_params, in that order).
-  std::vector<ContiguousList> read_, written_;
 };
 
 // Bytes at the start of each array of the next tensor that a thread asks for before it steps the
@@ -542,7 +582,7 @@ inline void prefetch_heads(const AdamTensor& t) {
 
 // The one parallel pass of AdamStep<P, G, M> over every parameter of the call.
 inline void adam_step_pass(const AdamConstants& c, const AdamCall& call) {
-  const std::vector<AdamTensor>& tensors = call.tensors();
+  const std::vector<AdamTensor>& tensors = call.entries();
   std::vector<AdamStepFn> kernels(call.size());
   for (size_t i = 0; i < call.size(); ++i) kernels[i] = step_kernel_for<AdamStep>(call.types()[i]);
   const int64_t n = static_cast<int64_t>(tensors.size());

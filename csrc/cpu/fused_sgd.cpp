@@ -19,8 +19,9 @@
 // or one per parameter; inv_scale and found_inf 1-element fp32 CPU tensors, read on the host.
 // When found_inf is not 0 nothing is written at all. The caller checks the gradients for inf and
 // NaN; this op flags nothing. CPU tensors of any strides (non-contiguous ones are staged through
-// contiguous copies and written back), possibly empty; 64-bit sizes and offsets. One
-// at::parallel_for over chunks spanning all tensors.
+// contiguous copies and written back), possibly empty; 64-bit sizes and offsets. The tensors'
+// metadata is read in one parallel scan (PlannedCall), then one at::parallel_for over chunks
+// spanning all tensors steps them.
 #include "fused_optimizer_cpu.h"
 
 #include <torch/library.h>
@@ -81,19 +82,40 @@ struct SgdStep {
 
 using SgdStepFn = void (*)(const SgdConstants&, const SgdTensor&, int64_t, int64_t);
 
-void fused_sgd_(at::TensorList given_params, at::TensorList given_grads,
-                at::TensorList given_buffers, at::TensorList given_model_params,
-                const at::Tensor& inv_scale, const at::Tensor& found_inf, double lr,
-                double momentum, double dampening, double weight_decay, bool nesterov,
-                bool wd_after_momentum, bool first_run) {
+// The plan entries of fused_sgd_: the momentum buffer when the step uses one.
+struct SgdPlanner {
+  using Entry = SgdTensor;
+  struct Cache {};
+
+  bool use_momentum;
+
+  SgdTensor entry(const StepLists& l, size_t i, Cache&) const {
+    return SgdTensor{l.params[i].data_ptr(), l.grads[i].const_data_ptr(),
+                     use_momentum ? l.state[0][i].data_ptr<float>() : nullptr,
+                     l.models.empty() ? nullptr : l.models[i].data_ptr()};
+  }
+};
+
+void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList buffers,
+                at::TensorList model_params, const at::Tensor& inv_scale,
+                const at::Tensor& found_inf, double lr, double momentum, double dampening,
+                double weight_decay, bool nesterov, bool wd_after_momentum, bool first_run) {
   const char* op = "fused_sgd_";
-  check_step_args(op, given_params, given_grads, given_model_params, inv_scale, found_inf);
   const bool use_momentum = momentum != 0.0;
-  TORCH_CHECK(!use_momentum || !given_buffers.empty() || given_params.empty(), "apex_lite::", op,
-              ": momentum is ", momentum,
-              " but momentum_buffers is empty; pass one float32 buffer per parameter");
-  if (!given_buffers.empty()) check_state_list(op, "momentum_buffers", given_buffers, given_params);
-  if (read_scalar(found_inf) != 0.0f || given_params.empty()) return;
+  const bool buffers_missing = use_momentum && buffers.empty() && !params.empty();
+  const PlannedCall<SgdPlanner> call(
+      StepLists{params, grads, model_params, {buffers}, buffers.empty() ? 0u : 1u},
+      SgdPlanner{use_momentum},
+      [&] {
+        check_step_args(op, params, grads, model_params, inv_scale, found_inf);
+        TORCH_CHECK(!buffers_missing, "apex_lite::", op, ": momentum is ", momentum,
+                    " but momentum_buffers is empty; pass one float32 buffer per parameter");
+        if (!buffers.empty()) check_state_list(op, "momentum_buffers", buffers, params);
+      },
+      /*scan=*/!buffers_missing);
+  check_scalar_tensor(op, "inv_scale", inv_scale);
+  check_found_inf(op, found_inf);
+  if (read_scalar(found_inf) != 0.0f || params.empty()) return;
 
   SgdConstants c;
   c.inv_scale = read_scalar(inv_scale);
@@ -107,30 +129,13 @@ void fused_sgd_(at::TensorList given_params, at::TensorList given_grads,
   c.first_run = first_run;
   c.nesterov = nesterov;
 
-  const ContiguousList staged_params(given_params, ContiguousList::Use::kRead);
-  const ContiguousList staged_grads(given_grads, ContiguousList::Use::kRead);
-  const ContiguousList staged_buffers(use_momentum ? given_buffers : at::TensorList(),
-                                      ContiguousList::Use::kRead);
-  const ContiguousList staged_models(given_model_params, ContiguousList::Use::kWrite);
-  const at::TensorList params = staged_params.list(), grads = staged_grads.list();
-  const at::TensorList buffers = staged_buffers.list(), models = staged_models.list();
-
-  std::vector<SgdTensor> tensors(params.size());
-  std::vector<SgdStepFn> kernels(params.size());
-  for (size_t i = 0; i < params.size(); ++i) {
-    const at::Tensor* model = models.empty() ? nullptr : &models[i];
-    tensors[i] = SgdTensor{params[i].data_ptr(), grads[i].data_ptr(),
-                           use_momentum ? buffers[i].data_ptr<float>() : nullptr,
-                           model ? model->data_ptr() : nullptr};
-    kernels[i] = step_kernel_for<SgdStep>(
-        StepTypes{params[i].scalar_type(), grads[i].scalar_type(), model_dtype(model)});
-  }
-  parallel_segments(element_offsets(params), [&](int64_t t, int64_t begin, int64_t length) {
+  const std::vector<SgdTensor>& tensors = call.entries();
+  std::vector<SgdStepFn> kernels(call.size());
+  for (size_t i = 0; i < call.size(); ++i) kernels[i] = step_kernel_for<SgdStep>(call.types()[i]);
+  parallel_segments(call.offsets(), [&](int64_t t, int64_t begin, int64_t length) {
     kernels[t](c, tensors[t], begin, length);
   });
-  staged_params.write_back();
-  staged_buffers.write_back();
-  staged_models.write_back();
+  call.write_back();
 }
 
 }  // namespace
