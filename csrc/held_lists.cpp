@@ -35,8 +35,8 @@
 // path.
 #include <ATen/Parallel.h>
 #include <ATen/core/LegacyTypeDispatch.h>
-#include <ATen/record_function.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/record_function.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -73,12 +73,13 @@ class HeldLists : public torch::CustomClassHolder {
     if (params_.empty()) return;
     device_ = params_[0].device();
     device_keys_ = kernel_keys(params_[0]);
-    plain_ = true;
     const auto plain_list = [&](const Tensors& list) {
       return std::all_of(list.begin(), list.end(),
                          [&](const at::Tensor& t) { return kernel_keys(t) == device_keys_; });
     };
-    plain_ = plain_list(params_) && plain_list(models_) &&
+    // A dense tensor's kernel keys are its backend's alone (a subclass adds Python's, say).
+    plain_ = device_keys_ == c10::DispatchKeySet(device_keys_.highestPriorityTypeId()) &&
+             plain_list(params_) && plain_list(models_) &&
              std::all_of(state_.begin(), state_.end(), plain_list);
   }
 
