@@ -1,7 +1,8 @@
 // Shared by the CPU fused optimizer steps (fused_sgd.cpp, fused_adam.cpp, fused_lamb.cpp): the
 // argument checks, the host-side reads of the 1-element tensors, the per-segment driver that
 // loads parameters and gradients in fp32 and rounds each result once into the parameter and the
-// model parameter, and the Adam arithmetic that Adam and LAMB share.
+// model parameter, the plan of a call read in one scan over its lists before anything is written
+// (PlannedCall), and the Adam arithmetic that Adam and LAMB share.
 //
 // The per-element arithmetic is the contract spelled out in apex_lite/multi_tensor/_python.py:
 // every operation rounds once to fp32 (at::vec's operators are single IEEE instructions, sqrt
@@ -185,16 +186,20 @@ class PlannedCall {
  public:
   using Entry = typename Planner::Entry;
 
-  // check(): the op's own checks, which raise the first failure's error and return for a call
-  // that is merely non-contiguous; run when the scan finds anything unusual, or at once when
-  // scan is false (the caller saw a list-level problem the scan does not look for).
+  // check(): the op's own checks of its lists, which raise the first failure's error and return
+  // for a call that is merely non-contiguous; run when the scan finds anything unusual, or at
+  // once when scan is false (the caller saw a list-level problem the scan does not look for).
+  // inv_scale and found_inf are checked last either way.
   template <typename Check>
-  PlannedCall(const StepLists& lists, Planner planner, Check&& check, bool scan = true)
+  PlannedCall(const char* op, const StepLists& lists, const at::Tensor& inv_scale,
+              const at::Tensor& found_inf, Planner planner, Check&& check, bool scan = true)
       : planner_(std::move(planner)) {
     if (!scan || !plan_if_contiguous(lists)) {
       check();
       plan_staged(lists);
     }
+    check_scalar_tensor(op, "inv_scale", inv_scale);
+    check_found_inf(op, found_inf);
   }
 
   size_t size() const { return entries_.size(); }
@@ -541,16 +546,15 @@ class AdamCall : public PlannedCall<AdamPlanner> {
            at::TensorList exp_avg_sqs, at::TensorList model_params, at::TensorList steps,
            const at::Tensor& inv_scale, const at::Tensor& found_inf, double beta1, double beta2,
            bool bias_correction, float step_size)
-      : PlannedCall(StepLists{params, grads, model_params, {exp_avgs, exp_avg_sqs}, 2, steps, true},
-                    AdamPlanner{beta1, beta2, bias_correction, step_size}, [&] {
+      : PlannedCall(op,
+                    StepLists{params, grads, model_params, {exp_avgs, exp_avg_sqs}, 2, steps, true},
+                    inv_scale, found_inf, AdamPlanner{beta1, beta2, bias_correction, step_size},
+                    [&] {
                       check_step_args(op, params, grads, model_params, inv_scale, found_inf);
                       check_state_list(op, "exp_avgs", exp_avgs, params);
                       check_state_list(op, "exp_avg_sqs", exp_avg_sqs, params);
                       check_steps(op, steps, params);
-                    }) {
-    check_scalar_tensor(op, "inv_scale", inv_scale);
-    check_found_inf(op, found_inf);
-  }
+                    }) {}
 
   // steps[i] += 1 in fp32 for every parameter. Every count was read by the scan, so a step tensor
   // passed for two parameters is read twice, then incremented twice.

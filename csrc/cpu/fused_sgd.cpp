@@ -104,8 +104,8 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList buff
   const bool use_momentum = momentum != 0.0;
   const bool buffers_missing = use_momentum && buffers.empty() && !params.empty();
   const PlannedCall<SgdPlanner> call(
-      StepLists{params, grads, model_params, {buffers}, buffers.empty() ? 0u : 1u},
-      SgdPlanner{use_momentum},
+      op, StepLists{params, grads, model_params, {buffers}, buffers.empty() ? 0u : 1u},
+      inv_scale, found_inf, SgdPlanner{use_momentum},
       [&] {
         check_step_args(op, params, grads, model_params, inv_scale, found_inf);
         TORCH_CHECK(!buffers_missing, "apex_lite::", op, ": momentum is ", momentum,
@@ -113,8 +113,6 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList buff
         if (!buffers.empty()) check_state_list(op, "momentum_buffers", buffers, params);
       },
       /*scan=*/!buffers_missing);
-  check_scalar_tensor(op, "inv_scale", inv_scale);
-  check_found_inf(op, found_inf);
   if (read_scalar(found_inf) != 0.0f || params.empty()) return;
 
   SgdConstants c;
