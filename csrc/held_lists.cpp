@@ -41,6 +41,7 @@
 #include <torch/library.h>
 
 #include "multi_tensor_checks.h"
+#include "plain_tensor.h"
 
 #include <algorithm>
 #include <atomic>
@@ -53,6 +54,8 @@ namespace apex_lite {
 namespace {
 
 using Tensors = std::vector<at::Tensor>;
+// The keys of a tensor or key set that can choose an op's kernel below autograd.
+using plain::kernel_keys;
 
 class HeldLists : public torch::CustomClassHolder {
  public:
@@ -138,15 +141,6 @@ class HeldLists : public torch::CustomClassHolder {
       op.call(args...);
     }
   }
-
-  // Keys that never choose this op's kernel below autograd: the autograd keys and
-  // ADInplaceOrView (the step runs below them), the autocast keys and BackendSelect (fallthrough
-  // for ops, like these, that register no kernel there).
-  static c10::DispatchKeySet kernel_keys(c10::DispatchKeySet keys) {
-    return keys - c10::autograd_dispatch_keyset_with_ADInplaceOrView -
-           c10::autocast_dispatch_keyset - c10::DispatchKeySet(c10::DispatchKey::BackendSelect);
-  }
-  static c10::DispatchKeySet kernel_keys(const at::Tensor& t) { return kernel_keys(t.key_set()); }
 
   // The key set to redispatch with when the dispatcher would choose the device's kernel itself
   // (plain_held tensors, plain_grads gradients, nothing added by thread-local keys, nobody

@@ -89,10 +89,8 @@ struct SgdPlanner {
 
   bool use_momentum;
 
-  SgdTensor entry(const StepLists& l, size_t i, Cache&) const {
-    return SgdTensor{l.params[i].data_ptr(), l.grads[i].const_data_ptr(),
-                     use_momentum ? l.state[0][i].data_ptr<float>() : nullptr,
-                     l.models.empty() ? nullptr : l.models[i].data_ptr()};
+  SgdTensor entry(const ParamData& d, Cache&) const {
+    return SgdTensor{d.param, d.grad, use_momentum ? d.state[0] : nullptr, d.model};
   }
 };
 
