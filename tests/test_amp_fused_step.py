@@ -54,7 +54,7 @@ def _loss(model, i):
     return torch.nn.functional.mse_loss(model(x).float(), y)
 
 
-def _train(make_opt, fused_step, steps=6, inject_at=(), clip=None, **kwargs):
+def _train(make_opt, fused_step, steps=6, inject_at=(), clip=None, after_step=None, **kwargs):
     model = _net()
     opt = make_opt(model.parameters())
     kwargs.setdefault("verbosity", 0)
@@ -70,6 +70,8 @@ def _train(make_opt, fused_step, steps=6, inject_at=(), clip=None, **kwargs):
         elif clip == "apex":
             torch.nn.utils.clip_grad_norm_(amp.master_params(opt), 0.5)
         opt.step()
+        if after_step is not None:
+            after_step(opt, i)
     return model, opt
 
 
@@ -111,6 +113,38 @@ def test_fused_step_trains_as_the_unfused_step(name, half_dtype):
         for k, v in fused_state[key].items():
             torch.testing.assert_close(v.float(), plain_state[key][k].float(), rtol=1e-4,
                                        atol=1e-6)
+
+
+def _reset_first_state(opt, i):
+    """After step 2, user code resets the first master's moments (or momentum buffer) by
+    assigning new tensors, as torch's optimizers allow."""
+    if i != 2:
+        return
+    entry = opt.state[_masters_of(opt)[0]]
+    for name in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
+        if name in entry:
+            entry[name] = torch.zeros_like(entry[name])
+
+
+def _masters_of(opt):
+    return list(opt._apex_lite_amp.masters())
+
+
+@pytest.mark.parametrize("name", ["AdamW", "FusedAdam", "SGD-momentum"])
+def test_state_replaced_by_user_code_is_stepped_on_the_fused_step(name):
+    """The fused step's lists are built once (and held in C++): a state tensor user code
+    replaces between steps is still what the next steps update, as on the unfused step, where
+    the optimizer reads its state at every step."""
+    _, fused_opt = _train(OPTIMIZERS[name], True, steps=6, after_step=_reset_first_state)
+    assert fused_opt._apex_lite_amp.path.fused
+    fused = _masters(fused_opt)
+    _fresh_handle()
+    _, plain_opt = _train(OPTIMIZERS[name], False, steps=6, after_step=_reset_first_state)
+    for a, b in zip(fused, _masters(plain_opt)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    _fresh_handle()
+    _, unreset = _train(OPTIMIZERS[name], True, steps=6)
+    assert not torch.allclose(fused[0], _masters(unreset)[0], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", ["AdamW", "FusedAdam", "SGD-momentum", "SGD-dampening"])

@@ -914,6 +914,84 @@ def test_held_lists_follow_a_loaded_state_and_invalidate(monkeypatch):
     assert not torch.equal(replacement, other_opt.state[other[0]]["exp_avg"])
 
 
+# ---- state replaced by user code (watched_state.py) -------------------------------------------------------
+
+def _replace_state(optimizer, param, how: str) -> None:
+    """Replaces ``param``'s state as user code does: one tensor assigned (Adam's moments, SGD's
+    buffer), the whole entry assigned, or the entry deleted (then made again, zeros, as torch
+    makes a first state)."""
+    entry = optimizer.state[param]
+    if how == "tensor":
+        for name in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
+            if name in entry:
+                entry[name] = torch.zeros_like(entry[name])
+    elif how == "entry":
+        optimizer.state[param] = {k: (v.clone() if k == "step" else torch.full_like(v, 0.5))
+                                  for k, v in entry.items()}
+    else:
+        del optimizer.state[param]
+
+
+REPLACED_CASES = {
+    "adamw": (lambda ps: FusedAdam(ps, lr=1e-2, weight_decay=0.1),
+              lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)),
+    "sgd_momentum": (lambda ps: FusedSGD(ps, lr=0.05, momentum=0.9),
+                     lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)),
+}
+
+
+@pytest.mark.parametrize("how", ["tensor", "entry", "delete"])
+@pytest.mark.parametrize("case", list(REPLACED_CASES))
+def test_state_replaced_between_steps_is_stepped_as_torch_does(case, how):
+    """torch's optimizers read ``state[p]`` at every step; ours reuse lists built once (held in
+    C++ from the second step on the native backend), and must still step what user code put in
+    the state: the replacement, not the tensors it replaced (without watched_state.py the
+    "tensor" and "entry" cases fail; a deleted entry changes the state's size, seen anyway)."""
+    make_ours, make_torch = REPLACED_CASES[case]
+    params = make_params(SHAPES[:3])
+    ours, theirs = copies(params), copies(params)
+    opt, ref = make_ours(ours), make_torch(theirs)
+    shapes = [p.shape for p in params]
+    for step in range(8):
+        for ps, o in ((ours, opt), (theirs, ref)):
+            set_grads(ps, grads_for(step, shapes))
+            o.step()
+            if step == 3:
+                _replace_state(o, ps[1], how)
+    assert_params_close(ours, theirs, **FP32_TOL)
+    for name, value in ref.state[theirs[1]].items():
+        torch.testing.assert_close(opt.state[ours[1]][name].float(), value.float(), **FP32_TOL)
+
+
+def test_state_replaced_is_seen_by_every_group_and_the_entries_stay_dicts():
+    """One state shared by two groups: a tensor replaced in the first group's state, then in the
+    second's, is stepped; the entries are dicts (the watched ones included) and ``state_dict()``
+    returns plain dicts that ``torch.load(weights_only=True)`` reads."""
+    params = make_params(SHAPES[:3])
+    ours, theirs = copies(params), copies(params)
+    opt = FusedAdam([{"params": ours[:2]}, {"params": ours[2:], "lr": 3e-3}], lr=1e-2)
+    ref = torch.optim.Adam([{"params": theirs[:2]}, {"params": theirs[2:], "lr": 3e-3}], lr=1e-2)
+    shapes = [p.shape for p in params]
+    for step in range(7):
+        for ps, o in ((ours, opt), (theirs, ref)):
+            set_grads(ps, grads_for(step, shapes))
+            o.step()
+            if step in (2, 4):
+                index = 0 if step == 2 else 2
+                o.state[ps[index]]["exp_avg_sq"] = o.state[ps[index]]["exp_avg_sq"] * 4.0
+    assert_params_close(ours, theirs, **FP32_TOL)
+    assert all(isinstance(entry, dict) for entry in opt.state.values())
+    saved = opt.state_dict()
+    assert all(type(entry) is dict for entry in saved["state"].values())
+    buffer = io.BytesIO()
+    torch.save(saved, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    assert all(type(entry) is dict for entry in loaded["state"].values())
+    for pickled in (copy.deepcopy(opt.state), pickle.loads(pickle.dumps(opt)).state):
+        assert all(type(entry) is dict for entry in pickled.values())
+
+
 # ---- state_dict -------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("cls,kwargs", [

@@ -35,6 +35,7 @@ from ..multi_tensor._backend import backend
 from ..optimizers import fusable
 from ..optimizers.fused_lamb import LambUpdate, global_grad_norm
 from ..optimizers.update import FusedUpdate
+from ..optimizers.watched_state import watch_state
 from . import fsdp
 from .optimizer import (CHECKED, CLEAN, SCALED, UNSCALED, flag_nonfinite, fused_scale,
                         present_grads)
@@ -175,6 +176,7 @@ class FusedStep:
         from_masters = amp_opt.grad_state == UNSCALED
         inv = amp_opt.pending.inv if amp_opt.grad_state == CHECKED else 1.0
         clip, self.clip = self.clip, None
+        state = watch_state(self.optimizer)   # before the buckets, which key on its identity
         buckets = self.buckets()
         scalars = {}
         for device in {bucket.device for bucket in buckets}:
@@ -191,7 +193,6 @@ class FusedStep:
             grad_norms = global_grad_norm(
                 ((b.device, grads[id(b)] or b.update.read_grads()) for b in buckets),
                 lambda device: scalars[device])
-        state = self.optimizer.state
         for bucket in buckets:
             inv_scale, flag = scalars[bucket.device]
             hyper = fusable.hyper_parameters(self.optimizer, bucket.group)

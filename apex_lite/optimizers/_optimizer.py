@@ -10,6 +10,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from .update import STEPPED_DTYPES, FusedUpdate, group_by_device, unit_scalars
+from .watched_state import watch_state
 
 logger = logging.getLogger("apex_lite.optimizers")
 
@@ -161,7 +162,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         return loss
 
     def _fused_step(self, scalars: Scalars) -> None:
-        state = self.state
+        state = watch_state(self)
         for group, update in self._fused_updates():
             inv_scale, found_inf = scalars(update.device)
             update(state, inv_scale, found_inf, self._hyper(group))

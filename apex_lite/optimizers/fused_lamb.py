@@ -29,6 +29,7 @@ from ..multi_tensor._backend import ops_for
 from ._optimizer import FusedOptimizer, Scalars
 from .fused_adam import AdamHyper
 from .update import FusedUpdate, moment_lists
+from .watched_state import watch_state
 
 __all__ = ["FusedLAMB", "LambHyper", "LambUpdate", "global_grad_norm"]
 
@@ -158,7 +159,7 @@ class FusedLAMB(FusedOptimizer):
             for (_, update), update_grads in zip(updates, grads):
                 update.check_grads(update_grads, cause=exc)
             raise
-        state = self.state
+        state = watch_state(self)
         for (group, update), update_grads in zip(updates, grads):
             norm = norms.get(update.device)
             if norm is None:

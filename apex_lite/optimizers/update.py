@@ -32,14 +32,16 @@ like them (what torch's optimizers and torch.distributed.checkpoint expect), and
 every tensor's local shard, looked up at each call (FSDP2 may re-register a shard's storage).
 
 Parameters whose gradient is None are skipped, as torch does. The tensor lists handed to the op
-are built once and reused while the set of parameters with a gradient, the ``state`` dict object
-and its number of entries stay the same; a new param group, a loaded state dict or a first state
-entry therefore rebuild them. ``invalidate()`` forces a rebuild where nothing of that shows
-(a state tensor replaced in place: ``state[p]["exp_avg"] = t``). Per step and per tensor the only
-Python work is reading ``.grad``; and none at all where the native backend holds the lists in
-C++ (``hold_lists``; Adam and SGD): once a plan over every parameter is used a second time, its
-lists are handed to C++ once, and each later step passes only the scalars, the gradients read
-there. A step that finds a gradient missing or unusual there goes the list path for that step.
+are built once and reused while the set of parameters with a gradient, the ``state`` dict object,
+its number of entries and, for a ``WatchedState`` (what the optimizers and amp pass, see
+watched_state.py), its version stay the same; a new param group, a loaded state dict, a first
+state entry or a state tensor replaced (``state[p]["exp_avg"] = t``) therefore rebuild them. For
+a plain dict ``invalidate()`` forces a rebuild where nothing of that shows (a state tensor
+replaced). Per step and per tensor the only Python work is reading ``.grad``; and none at all
+where the native backend holds the lists in C++ (``hold_lists``; Adam and SGD): once a plan over
+every parameter is used a second time, its lists are handed to C++ once, and each later step
+passes only the scalars, the gradients read there. A step that finds a gradient missing or
+unusual there goes the list path for that step.
 """
 from __future__ import annotations
 
@@ -51,6 +53,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from ..multi_tensor._backend import ops_for
+from .watched_state import WatchedEntry, WatchedState, state_version, watch_entries
 
 __all__ = ["FusedUpdate", "unit_scalars", "local_shards"]
 
@@ -208,13 +211,14 @@ class FusedUpdate:
         # The state dict is compared by identity, and held, so that a new dict at a freed one's
         # address cannot pass for it.
         if plan is None or state is not self._plan_state or \
-                (mask, len(state), self._flavour(hyper)) != self._plan_key:
+                self._key(mask, state, hyper) != self._plan_key:
             if state is not self._plan_state:
                 self._new_state()
             plan = self._plan = self._build(state, grads, mask, hyper)
+            watch_entries(state, plan.params)
             self._plan_state = state
             # Taken after the build, whose own new state entries must not invalidate it.
-            self._plan_key = (mask, len(state), self._flavour(hyper))
+            self._plan_key = self._key(mask, state, hyper)
         if plan.picks is not None:
             grads = [grads[i] for i in plan.picks]
         if self.sharded:
@@ -226,16 +230,21 @@ class FusedUpdate:
             self.check_grads(grads, plan.params, exc)
             raise
 
+    def _key(self, mask, state, hyper) -> tuple:
+        """What a plan holds for: the parameters with a gradient (``mask``), the state's entry
+        count and version (watched_state.py), the flavour of the update."""
+        return mask, len(state), state_version(state), self._flavour(hyper)
+
     def _step_held(self, state, inv_scale, found_inf, hyper, extra: tuple) -> bool:
         """The step through the lists held in C++, when the cached plan covers every parameter
-        and still holds (same state dict and entry count, same flavour); False, having done
+        and still holds (same state dict, entry count and version, same flavour); False, having done
         nothing, sends the caller to the list path. The op's own errors (raised before it writes
         anything) propagate as on the list path; gradients the list path refuses with a message
         of its own (sparse ones) are left to it."""
         plan = self._plan
         if plan is None or plan.picks is not None or plan.held is False or self.sharded \
                 or state is not self._plan_state \
-                or (None, len(state), self._flavour(hyper)) != self._plan_key:
+                or self._key(None, state, hyper) != self._plan_key:
             return False
         args = self._held_args(plan, hyper, extra)
         if args is None:
@@ -303,10 +312,11 @@ class FusedUpdate:
 # ---- state entries: created in fp32, converted once when loaded from elsewhere ----------------
 
 def state_entry(state: Dict[torch.Tensor, dict], param: torch.Tensor) -> dict:
-    """``state[param]``, created empty when missing (without a defaultdict's help)."""
+    """``state[param]``, created empty when missing (without a defaultdict's help; watched in a
+    ``WatchedState``)."""
     entry = state.get(param)
     if entry is None:
-        entry = state[param] = {}
+        entry = state[param] = WatchedEntry(state) if type(state) is WatchedState else {}
     return entry
 
 

@@ -1,0 +1,171 @@
+"""An optimizer's ``state`` that counts its changes, so that the fused updates' cached lists see
+a state tensor or entry replaced.
+
+The fused updates (``update.py``) build their tensor lists once and reuse them, held in C++ with
+the native backend, while the parameter set and the state stay the same. torch's optimizers look
+``state[p]`` up at every step, so code that replaces a state tensor
+(``optimizer.state[p]["exp_avg"] = torch.zeros_like(p)``, a common way to reset a moment) or a
+whole entry (``optimizer.state[p] = {...}``) changes what they step. A cached list would go on
+stepping the old tensor, and the new one would never move: a silent wrong result. Looking the
+state up again at every step would be a per-parameter Python loop of the kind the cached lists
+avoid (checking the three Adam entries of 4000 parameters: 0.57 ms a step on the 2-core CPU).
+
+So the steps watch the state instead: ``watch_state(optimizer)``, called by every fused step,
+gives the optimizer a ``WatchedState`` in place of its ``defaultdict(dict)`` (once; again after
+``load_state_dict`` replaces it), whose dict entries become ``WatchedEntry``s holding the same
+values (and so do plain dicts put there later, when a plan next covers them:
+``watch_entries``). Each counts every change made to it or to the state in the state's
+``version``; a plan built at one version is rebuilt at the next step when the version moved.
+Setting an entry to the object it holds already is no change. That costs nothing per step but
+one comparison.
+
+What stays as torch has it: ``WatchedState`` is a ``defaultdict``, its entries are dicts, and
+``state_dict()`` returns plain dicts (a post hook copies each entry, so that
+``torch.load(..., weights_only=True)`` reads the checkpoint); pickling and ``copy.deepcopy``
+give plain ones too. What differs: an entry that existed before the first fused step (loaded by
+``load_state_dict``, or made by user code) is replaced by a watched dict holding the same
+tensors, so a reference to the old dict object taken before that step no longer reaches the
+optimizer's state. A tensor changed in place (``exp_avg.zero_()``) needs no
+watching: the lists hold the tensors themselves.
+"""
+from __future__ import annotations
+
+import collections
+
+import torch
+
+__all__ = ["WatchedState", "WatchedEntry", "watch_state", "watch_entries", "state_version"]
+
+# The optimizer attribute that records that the state_dict post hook is registered (an
+# optimizer copied by deepcopy or pickle has neither the attribute nor the hook).
+_HOOKED = "_apex_lite_plain_state_dict"
+_ABSENT = object()
+
+
+class _CountsChanges:
+    """The mutating methods of a dict, each reporting a change to ``_changed()`` (setting a key
+    to the object it holds already is no change)."""
+
+    __slots__ = ()
+
+    def _changed(self) -> None:
+        raise NotImplementedError
+
+    def __setitem__(self, key, value):
+        if self.get(key, _ABSENT) is value:
+            return
+        super().__setitem__(key, value)
+        self._changed()
+
+    def __delitem__(self, key):
+        super().__delitem__(key)
+        self._changed()
+
+    def pop(self, *args):
+        self._changed()
+        return super().pop(*args)
+
+    def popitem(self):
+        self._changed()
+        return super().popitem()
+
+    def clear(self):
+        super().clear()
+        self._changed()
+
+    def setdefault(self, key, default=None):
+        if key not in self:
+            self._changed()
+        return super().setdefault(key, default)
+
+    def update(self, *args, **kwargs):
+        super().update(*args, **kwargs)
+        self._changed()
+
+    def __ior__(self, other):
+        self.update(other)
+        return self
+
+
+class WatchedState(_CountsChanges, collections.defaultdict):
+    """An optimizer's ``state`` (a ``defaultdict``) whose ``version`` counts every change to it
+    and to its ``WatchedEntry`` entries."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.version = 0
+
+    def _changed(self) -> None:
+        self.version += 1
+
+    def __missing__(self, key):
+        # state[p] of a parameter without state: a new watched entry, as defaultdict(dict) would
+        # make a new dict.
+        entry = self[key] = WatchedEntry(self)
+        return entry
+
+    def __reduce_ex__(self, protocol):
+        # Pickled and deep-copied as torch's own state: a plain defaultdict.
+        return (collections.defaultdict, (self.default_factory,), None, None, iter(self.items()))
+
+
+class WatchedEntry(_CountsChanges, dict):
+    """One parameter's entry of a ``WatchedState``: a dict whose changes count in the state's
+    ``version``."""
+
+    __slots__ = ("_state",)
+
+    def __init__(self, state: WatchedState, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._state = state
+
+    def _changed(self) -> None:
+        self._state.version += 1
+
+    def __reduce_ex__(self, protocol):
+        # Pickled and deep-copied as a plain dict.
+        return (dict, (dict(self),))
+
+
+def watch_state(optimizer: torch.optim.Optimizer) -> WatchedState:
+    """``optimizer.state``, made a ``WatchedState`` when it is not one (its dict entries made
+    ``WatchedEntry``s holding the same values); the first time, also registers the state_dict
+    post hook that returns the entries as plain dicts."""
+    state = optimizer.state
+    if type(state) is not WatchedState:
+        watched = WatchedState(getattr(state, "default_factory", dict))
+        for key, entry in state.items():
+            dict.__setitem__(watched, key,
+                             WatchedEntry(watched, entry) if type(entry) is dict else entry)
+        optimizer.state = state = watched
+    if not getattr(optimizer, _HOOKED, False):
+        optimizer.register_state_dict_post_hook(_plain_entries)
+        setattr(optimizer, _HOOKED, True)
+    return state
+
+
+def watch_entries(state, params) -> None:
+    """Makes the plain dict entries of ``params`` in ``state`` (a ``WatchedState``; anything
+    else is left alone: plain entries put there since it was made) ``WatchedEntry``s holding
+    the same values."""
+    if type(state) is not WatchedState:
+        return
+    for p in params:
+        entry = state.get(p)
+        if type(entry) is dict:
+            state[p] = WatchedEntry(state, entry)
+
+
+def state_version(state) -> object:
+    """What changes whenever ``state`` does: a ``WatchedState``'s version, None for any other
+    mapping (whose changes the caller announces with ``invalidate()``)."""
+    return state.version if type(state) is WatchedState else None
+
+
+def _plain_entries(optimizer, state_dict: dict) -> None:
+    """state_dict post hook: each ``WatchedEntry`` of ``state_dict["state"]`` as a plain dict
+    (the same tensors), as torch's optimizers return it."""
+    packed = state_dict["state"]
+    for key, entry in list(packed.items()):
+        if type(entry) is WatchedEntry:
+            packed[key] = dict(entry)
