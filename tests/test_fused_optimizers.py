@@ -963,6 +963,37 @@ def test_state_replaced_between_steps_is_stepped_as_torch_does(case, how):
         torch.testing.assert_close(opt.state[ours[1]][name].float(), value.float(), **FP32_TOL)
 
 
+@pytest.mark.parametrize("how", ["setitem", "pop_insert", "sort"])
+def test_a_parameter_replaced_in_its_group_is_stepped_as_torch_does(how):
+    """A parameter swapped into a param group's list in place (same list, same length) is
+    stepped from then on, with a first state of its own, as torch's optimizers do; the one it
+    replaced is no longer stepped."""
+    params = make_params(SHAPES[:3])
+    newcomer = make_params([SHAPES[1]], seed=7)[0]
+    ours, theirs = copies(params), copies(params)
+    ours_new, theirs_new = copies([newcomer]), copies([newcomer])
+    opt = FusedAdam(ours, lr=1e-2, weight_decay=0.1)
+    ref = torch.optim.AdamW(theirs, lr=1e-2, weight_decay=0.1)
+    shapes = [p.shape for p in params]
+    for step in range(6):
+        for ps, o, new in ((ours, opt, ours_new), (theirs, ref, theirs_new)):
+            if step == 3:
+                group = o.param_groups[0]["params"]
+                if how == "setitem":
+                    group[1] = new[0]
+                elif how == "pop_insert":
+                    group.pop(1)
+                    group.insert(1, new[0])
+                else:   # the same parameters in another order, then one swapped
+                    group.sort(key=lambda p: p.numel())
+                    group[next(i for i, p in enumerate(group) if p is ps[1])] = new[0]
+                ps[1] = new[0]
+            set_grads(ps, grads_for(step, shapes))
+            o.step()
+    assert_params_close(ours, theirs, **FP32_TOL)
+    assert_params_close(ours_new, theirs_new, **FP32_TOL)
+
+
 def test_state_replaced_is_seen_by_every_group_and_the_entries_stay_dicts():
     """One state shared by two groups: a tensor replaced in the first group's state, then in the
     second's, is stepped; the entries are dicts (the watched ones included) and ``state_dict()``

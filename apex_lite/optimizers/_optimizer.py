@@ -10,7 +10,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from .update import STEPPED_DTYPES, FusedUpdate, group_by_device, unit_scalars
-from .watched_state import watch_state
+from .watched_state import watch_params, watch_state
 
 logger = logging.getLogger("apex_lite.optimizers")
 
@@ -94,18 +94,19 @@ class FusedOptimizer(torch.optim.Optimizer):
                                  f"would update it twice in one pass. List it once.")
             seen.add(id(p))
         super().add_param_group(param_group)
+        watch_params(self.param_groups[-1])
         self._updates = None
 
     # ---- the cached updates --------------------------------------------------------------------
 
     def _fused_updates(self) -> List[Tuple[dict, FusedUpdate]]:
-        """``(group, update)`` per param group and device, built once per parameter set."""
+        """``(group, update)`` per param group and device, built once per parameter set (a
+        group's ``params`` list, watched: a parameter replaced in it is seen)."""
         updates = self._updates
-        signature = [(id(g["params"]), len(g["params"])) for g in self.param_groups]
-        if updates is None or signature != self._updates_signature:
+        if updates is None or self._params_signature() != self._updates_signature:
             updates = []
             for index, group in enumerate(self.param_groups):
-                params = group["params"]
+                params = watch_params(group)
                 by_device = group_by_device(params)
                 if len(by_device) > 1:
                     logger.info("%s: param group %d holds parameters on %s: they are stepped "
@@ -118,8 +119,14 @@ class FusedOptimizer(torch.optim.Optimizer):
                     updates.append((group, self._update_class([params[i] for i in indices],
                                                               label=label)))
             self._updates = updates
-            self._updates_signature = signature
+            # Taken after watch_params, which may have made a group's list a new one.
+            self._updates_signature = self._params_signature()
         return updates
+
+    def _params_signature(self) -> list:
+        """What the cached updates hold for: each group's params list, its length and version."""
+        return [(id(g["params"]), len(g["params"]), getattr(g["params"], "version", None))
+                for g in self.param_groups]
 
     def _scalars(self) -> Scalars:
         """``device -> (inv_scale, found_inf)`` for this step: GradScaler's when it handed them

@@ -1,5 +1,5 @@
-"""An optimizer's ``state`` that counts its changes, so that the fused updates' cached lists see
-a state tensor or entry replaced.
+"""An optimizer's ``state`` and its groups' ``params`` lists that count their changes, so that
+the fused steps' cached lists see a state tensor, a state entry or a parameter replaced.
 
 The fused updates (``update.py``) build their tensor lists once and reuse them, held in C++ with
 the native backend, while the parameter set and the state stay the same. torch's optimizers look
@@ -17,7 +17,9 @@ values (and so do plain dicts put there later, when a plan next covers them:
 ``watch_entries``). Each counts every change made to it or to the state in the state's
 ``version``; a plan built at one version is rebuilt at the next step when the version moved.
 Setting an entry to the object it holds already is no change. That costs nothing per step but
-one comparison.
+one comparison. The fused optimizers' param groups get the same for their ``params`` lists
+(``WatchedList``, ``watch_params``): their cached updates see a parameter swapped in place
+(``group["params"][i] = p``), which keeps the list's identity and length.
 
 What stays as torch has it: ``WatchedState`` is a ``defaultdict``, its entries are dicts, and
 ``state_dict()`` returns plain dicts (a post hook copies each entry, so that
@@ -34,7 +36,8 @@ import collections
 
 import torch
 
-__all__ = ["WatchedState", "WatchedEntry", "watch_state", "watch_entries", "state_version"]
+__all__ = ["WatchedState", "WatchedEntry", "WatchedList", "watch_state", "watch_entries",
+           "watch_params", "state_version"]
 
 # The optimizer attribute that records that the state_dict post hook is registered (an
 # optimizer copied by deepcopy or pickle has neither the attribute nor the hook).
@@ -125,6 +128,78 @@ class WatchedEntry(_CountsChanges, dict):
     def __reduce_ex__(self, protocol):
         # Pickled and deep-copied as a plain dict.
         return (dict, (dict(self),))
+
+
+class WatchedList(list):
+    """A param group's ``params`` list whose ``version`` counts every change to it, so that an
+    optimizer's cached updates see a parameter replaced in place
+    (``group["params"][i] = new_param``), which keeps the list's identity and length."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.version = 0
+
+    def __setitem__(self, index, value):
+        super().__setitem__(index, value)
+        self.version += 1
+
+    def __delitem__(self, index):
+        super().__delitem__(index)
+        self.version += 1
+
+    def __iadd__(self, other):
+        self.extend(other)
+        return self
+
+    def __imul__(self, count):
+        result = super().__imul__(count)
+        self.version += 1
+        return result
+
+    def append(self, value):
+        super().append(value)
+        self.version += 1
+
+    def extend(self, values):
+        super().extend(values)
+        self.version += 1
+
+    def insert(self, index, value):
+        super().insert(index, value)
+        self.version += 1
+
+    def pop(self, *args):
+        self.version += 1
+        return super().pop(*args)
+
+    def remove(self, value):
+        super().remove(value)
+        self.version += 1
+
+    def clear(self):
+        super().clear()
+        self.version += 1
+
+    def sort(self, *args, **kwargs):
+        super().sort(*args, **kwargs)
+        self.version += 1
+
+    def reverse(self):
+        super().reverse()
+        self.version += 1
+
+    def __reduce_ex__(self, protocol):
+        # Pickled and deep-copied as a plain list.
+        return (list, (list(self),))
+
+
+def watch_params(group: dict) -> WatchedList:
+    """``group["params"]``, made a ``WatchedList`` holding the same parameters when it is not
+    one (a list put there by user code is then a new object)."""
+    params = group["params"]
+    if type(params) is not WatchedList:
+        params = group["params"] = WatchedList(params)
+    return params
 
 
 def watch_state(optimizer: torch.optim.Optimizer) -> WatchedState:
