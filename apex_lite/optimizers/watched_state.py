@@ -27,8 +27,8 @@ What stays as torch has it: ``WatchedState`` is a ``defaultdict``, its entries a
 give plain ones too. What differs: an entry that existed before the first fused step (loaded by
 ``load_state_dict``, or made by user code) is replaced by a watched dict holding the same
 tensors, so a reference to the old dict object taken before that step no longer reaches the
-optimizer's state. A tensor changed in place (``exp_avg.zero_()``) needs no
-watching: the lists hold the tensors themselves.
+optimizer's state. A tensor changed in place (``exp_avg.zero_()``) needs no watching: the lists
+hold the tensors themselves.
 """
 from __future__ import annotations
 
@@ -220,9 +220,9 @@ def watch_state(optimizer: torch.optim.Optimizer) -> WatchedState:
 
 
 def watch_entries(state, params) -> None:
-    """Makes the plain dict entries of ``params`` in ``state`` (a ``WatchedState``; anything
-    else is left alone: plain entries put there since it was made) ``WatchedEntry``s holding
-    the same values."""
+    """Makes the entries of ``params`` in ``state`` that are plain dicts (put there since
+    ``watch_state`` made it) ``WatchedEntry``s holding the same values; a ``state`` that is not
+    a ``WatchedState`` is left alone."""
     if type(state) is not WatchedState:
         return
     for p in params:
