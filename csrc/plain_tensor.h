@@ -8,9 +8,10 @@
 //
 // Why read the fields: TensorBase's accessors serve every kind of tensor, through virtual calls
 // (has_storage, storage) and out-of-line checks (data_ptr<T>'s type check, sizes compared by a
-// memcmp call), 30-50 ns per tensor. An O2 AdamW step over 4000 parameters reads 28000 tensors
-// (each parameter's six and its count), in a scan that must finish before anything is written.
-// A tensor that is not plain is read through the accessors instead, by the caller's slow path.
+// memcmp call). An O2 AdamW step over 4000 parameters reads 24000 tensors (each parameter's five
+// and its count) in a scan that must finish before anything is written: a skipped step right
+// after a step takes 1.0 ms through the accessors, 0.85 ms reading the fields (2-core CPU). A
+// tensor that is not plain is read through the accessors instead, by the caller's slow path.
 #pragma once
 
 #include <ATen/core/Tensor.h>
