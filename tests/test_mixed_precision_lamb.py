@@ -404,6 +404,23 @@ def test_amp_c_lamb_mp_four_lists_and_half_state():
         assert torch.equal(h, opt.state[p]["exp_avg"].half())
 
 
+@pytest.mark.parametrize("noop,found_inf", [(1, 0.0), (0, 1.0), (0, float("nan"))])
+def test_amp_c_lamb_mp_skips_on_the_noop_flag_or_found_inf(noop, found_inf):
+    params = copies(make_params(SHAPES[:3]))
+    before = [p.detach().clone() for p in params]
+    grads = grads_for(0, [p.shape for p in params])
+    m = [torch.zeros_like(p) for p in params]
+    v = [torch.zeros_like(p) for p in params]
+    flag = torch.tensor([noop], dtype=torch.int)
+    amp_C.multi_tensor_lamb_mp(0, flag, [grads, params, m, v], torch.tensor(1e-2), 0.9, 0.999,
+                               1e-6, torch.tensor([1], dtype=torch.int), 1, 0.01, 1, 1,
+                               torch.ones(1), torch.ones(1), False, torch.tensor([found_inf]),
+                               torch.ones(1))
+    assert_bitwise(params, before)
+    assert not any(t.any() for t in m + v)
+    assert flag.tolist() == [noop]     # not written
+
+
 def test_amp_c_names():
     assert {"multi_tensor_l2norm_mp", "multi_tensor_lamb_mp"} <= set(amp_C.AMP_C_OPS)
     with pytest.raises(ValueError, match=r"mode=2"):
