@@ -213,3 +213,43 @@ def test_bad_scalars_raise(backend, device, change, message):
                torch.ones(1, device=device))
     for p, saved in zip(call["params"], before):
         assert_bits(p, saved.cpu())
+
+
+# --- opcheck and torch.compile (the fake kernel, the schema's mutations) ---------------------
+
+def _mp_args(found_inf):
+    from test_native_ops import _optimizer_lists
+    params, grads, state, models, _ = _optimizer_lists()
+    exp_avg_sqs = [torch.rand(p.shape) for p in params]
+    return (params, grads, state, exp_avg_sqs, models, torch.full((1,), 3.0),
+            torch.full((1,), 1e-3), torch.full((1,), 0.25), found_inf, torch.full((1,), 3.0),
+            0.9, 0.999, 1e-6, 1e-2, True, True, True, 1.0, False)
+
+
+def test_opcheck():
+    from test_native_ops import _native_ops_or_skip
+    ops = _native_ops_or_skip()
+    torch.library.opcheck(ops.fused_lamb_mp_.default, _mp_args(torch.zeros(1)))
+
+
+def test_torch_compile_traces_a_step():
+    from test_native_ops import _native_ops_or_skip
+    _native_ops_or_skip()
+    op = torch.ops.apex_lite.fused_lamb_mp_
+
+    def step(*args):
+        op(*args)
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    eager_args, compiled_args = _mp_args(torch.zeros(1)), _mp_args(torch.zeros(1))
+    for a, b in zip(eager_args, compiled_args):
+        if isinstance(a, list):
+            for x, y in zip(a, b):
+                y.copy_(x)
+    step(*eager_args)
+    compiled(*compiled_args)
+    for a, b in zip(eager_args, compiled_args):
+        if isinstance(a, list):
+            for x, y in zip(a, b):
+                torch.testing.assert_close(y, x, rtol=0, atol=0)
+    assert float(compiled_args[5]) == 3.0     # the step count is read, not written
