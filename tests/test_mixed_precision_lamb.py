@@ -181,6 +181,16 @@ def test_lr_tensor_is_read_at_every_step_and_schedulers_write_it():
     del lr
 
 
+def test_a_refused_step_changes_nothing():
+    params = make_params(SHAPES[:2])
+    opt = FusedMixedPrecisionLamb(params)
+    params[0].grad = torch.zeros_like(params[0])
+    params[1].grad = torch.zeros(params[1].shape).to_sparse()
+    with pytest.raises(RuntimeError, match=r"dense gradient"):
+        opt.step()
+    assert opt.param_groups[0]["step"].tolist() == [0]
+
+
 # ---- state_dict ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", HALF)

@@ -246,11 +246,13 @@ class FusedMixedPrecisionLamb(FusedOptimizer):
             for (_, update), update_grads in zip(updates, grads):
                 update.check_grads(update_grads, cause=exc)
             raise
-        # Every group's count, as apex: + 1 unless the step is skipped, before the update.
+        # Every group's count, as apex: + 1 unless the step is skipped, used by the update. New
+        # tensors, put in the groups once every update has run (a refused call leaves them).
+        counts = {}
         for group in self.param_groups:
             count = group["step"]
             _, found_inf = scalars(count.device)
-            group["step"] = count + (found_inf == 0).to(count.dtype)
+            counts[id(group)] = count + (found_inf == 0).to(count.dtype)
         state = watch_state(self)
         for (group, update), update_grads in zip(updates, grads):
             norm = norms.get(update.device)
@@ -258,10 +260,12 @@ class FusedMixedPrecisionLamb(FusedOptimizer):
                 continue     # no gradient on that device
             device = update.device
             inv_scale, found_inf = scalars(device)
-            step = group["step"].to(device=device, dtype=torch.float32).reshape(1)
+            step = counts[id(group)].to(device=device, dtype=torch.float32).reshape(1)
             lr = group["lr"].to(device=device, dtype=torch.float32).reshape(1)
             update(state, inv_scale, found_inf, self._hyper(group), norm, step, lr,
                    grads=update_grads)
+        for group in self.param_groups:
+            group["step"] = counts[id(group)]
 
     def _take_group_steps(self) -> None:
         """After a load: the groups' lr and step as their own tensors on their devices (the
