@@ -141,9 +141,6 @@ def nonfinite_flags(tensors: Tensors) -> torch.Tensor:
 #   p = p - ratio * update
 # Then params[i] = round(p), model_params[i] = round(p) (round: to each tensor's dtype, to
 # nearest even) and steps[i] += 1. When found_inf is not 0 nothing is written.
-# LAMB with tensors (fused_lamb_mp_, apex's FusedMixedPrecisionLamb): as LAMB, with lr read from
-# a 1-element tensor and one step tensor for all parameters holding the number of the step being
-# taken (the bias corrections' count), which the caller increments; the op does not write it.
 #
 # This backend reads found_inf and the step counts on the host (free on the CPU, a sync on CUDA,
 # where the native kernels read them on the device).
@@ -226,26 +223,22 @@ def _reciprocal(x: float) -> float:
     return 1.0 / x if x != 0.0 else math.copysign(math.inf, x)
 
 
-def _counts(steps: Tensors) -> List[float]:
-    """The number of the step each tensor is about to take: its count of steps taken + 1."""
-    return [float(s) + 1.0 for s in steps]
-
-
-def _bias_corrections(counts: List[float], beta1: float, beta2: float, bias_correction: bool
+def _bias_corrections(steps: Tensors, beta1: float, beta2: float, bias_correction: bool
                       ) -> Tuple[List[float], List[float]]:
-    """(r1, r2) per tensor for the step each is about to take (``counts``, 1 for the first):
-    1 / (1 - beta1**count) and 1 / sqrt(1 - beta2**count) computed in double as the native
-    kernels do (a negative 1 - beta2**count gives NaN there, as in C++); the foreach ops that
-    take them round them to fp32."""
+    """(r1, r2) per tensor for the step each is about to take: 1 / (1 - beta1**count) and
+    1 / sqrt(1 - beta2**count) computed in double as the native kernels do (a negative
+    1 - beta2**count gives NaN there, as in C++); the foreach ops that take them round them to
+    fp32."""
     if not bias_correction:
-        return [1.0] * len(counts), [1.0] * len(counts)
+        return [1.0] * len(steps), [1.0] * len(steps)
+    counts = [float(s) + 1.0 for s in steps]
     bc2s = [1.0 - beta2 ** c for c in counts]
     return ([_reciprocal(1.0 - beta1 ** c) for c in counts],
             [_reciprocal(math.sqrt(bc2) if bc2 >= 0.0 else math.nan) for bc2 in bc2s])
 
 
 def _adam_updates(g: List[torch.Tensor], p: List[torch.Tensor], exp_avgs: Tensors,
-                  exp_avg_sqs: Tensors, counts: List[float], beta1: float, beta2: float, beta3: float,
+                  exp_avg_sqs: Tensors, steps: Tensors, beta1: float, beta2: float, beta3: float,
                   eps: float, weight_decay: float, adam_w_mode: bool, bias_correction: bool
                   ) -> List[torch.Tensor]:
     """Update the moments in place; return the Adam directions (new fp32 tensors)."""
@@ -256,7 +249,7 @@ def _adam_updates(g: List[torch.Tensor], p: List[torch.Tensor], exp_avgs: Tensor
     torch._foreach_add_(m, torch._foreach_mul(g, beta3))
     torch._foreach_mul_(v, beta2)
     torch._foreach_add_(v, torch._foreach_mul(torch._foreach_mul(g, 1.0 - beta2), g))
-    r1, r2 = _bias_corrections(counts, beta1, beta2, bias_correction)
+    r1, r2 = _bias_corrections(steps, beta1, beta2, bias_correction)
     denom = _sqrt_fp32(v)
     torch._foreach_mul_(denom, r2)
     torch._foreach_add_(denom, eps)
@@ -274,9 +267,8 @@ def fused_adam_(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs:
     if not params or _skips(found_inf):
         return
     p = _fp32_params(params)
-    update = _adam_updates(_true_grads(grads, inv_scale), p, exp_avgs, exp_avg_sqs,
-                           _counts(steps), beta1, beta2, 1.0 - beta1, eps, weight_decay,
-                           adam_w_mode, bias_correction)
+    update = _adam_updates(_true_grads(grads, inv_scale), p, exp_avgs, exp_avg_sqs, steps, beta1,
+                           beta2, 1.0 - beta1, eps, weight_decay, adam_w_mode, bias_correction)
     torch._foreach_sub_(p, torch._foreach_mul(update, lr))
     torch._foreach_add_(list(steps), 1.0)
     _finish(params, p, model_params)
@@ -289,13 +281,14 @@ def hold_lists(params: Tensors, grad_sources: Tensors, model_params: Tensors,
     return None
 
 
-def _lamb(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors,
-          model_params: Tensors, counts: List[float], inv_scale: torch.Tensor,
-          found_inf: torch.Tensor, grad_norm: torch.Tensor, lr: float, beta1: float,
-          beta2: float, eps: float, weight_decay: float, adam_w_mode: bool, bias_correction: bool,
-          grad_averaging: bool, max_grad_norm: float, use_nvlamb: bool) -> None:
-    """The LAMB step of fused_lamb_ and fused_lamb_mp_ (found_inf 0), each tensor's step number
-    in ``counts``; the caller counts the steps."""
+def fused_lamb_(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors,
+                model_params: Tensors, steps: Tensors, inv_scale: torch.Tensor,
+                found_inf: torch.Tensor, grad_norm: torch.Tensor, lr: float, beta1: float,
+                beta2: float, eps: float, weight_decay: float, adam_w_mode: bool,
+                bias_correction: bool, grad_averaging: bool, max_grad_norm: float,
+                use_nvlamb: bool) -> None:
+    if not params or _skips(found_inf):
+        return
     g = _true_grads(grads, inv_scale)
     if max_grad_norm > 0.0:
         norm = grad_norm.reshape(1).to(torch.float32)
@@ -304,7 +297,7 @@ def _lamb(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tenso
         torch._foreach_div_(g, clip.reshape(()))
     p = _fp32_params(params)
     beta3 = 1.0 - beta1 if grad_averaging else 1.0
-    update = _adam_updates(g, p, exp_avgs, exp_avg_sqs, counts, beta1, beta2, beta3, eps,
+    update = _adam_updates(g, p, exp_avgs, exp_avg_sqs, steps, beta1, beta2, beta3, eps,
                            weight_decay, adam_w_mode, bias_correction)
     if use_nvlamb or weight_decay != 0.0:
         p_norms = torch._foreach_norm(p, 2)
@@ -317,24 +310,16 @@ def _lamb(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tenso
     else:
         torch._foreach_mul_(update, lr)
     torch._foreach_sub_(p, update)
+    torch._foreach_add_(list(steps), 1.0)
     _finish(params, p, model_params)
 
 
-def fused_lamb_(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors,
-                model_params: Tensors, steps: Tensors, inv_scale: torch.Tensor,
-                found_inf: torch.Tensor, grad_norm: torch.Tensor, lr: float, beta1: float,
-                beta2: float, eps: float, weight_decay: float, adam_w_mode: bool,
-                bias_correction: bool, grad_averaging: bool, max_grad_norm: float,
-                use_nvlamb: bool) -> None:
-    if not params or _skips(found_inf):
-        return
-    _lamb(params, grads, exp_avgs, exp_avg_sqs, model_params, _counts(steps), inv_scale,
-          found_inf, grad_norm, lr, beta1, beta2, eps, weight_decay, adam_w_mode,
-          bias_correction, grad_averaging, max_grad_norm, use_nvlamb)
-    torch._foreach_add_(list(steps), 1.0)
-
-
 # ---- fused_lamb_mp_ (issue 27: apex's FusedMixedPrecisionLamb) ----
+#
+# LAMB with lr read from a 1-element tensor and one step tensor for all parameters holding the
+# number of the step being taken (the bias corrections' count), which the caller increments and
+# the op does not write: fused_lamb_ above over per-parameter counts of steps taken, step - 1,
+# in temporaries that it increments and that are dropped (exact for counts below 2**24).
 
 def fused_lamb_mp_(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors,
                    model_params: Tensors, step: torch.Tensor, lr: torch.Tensor,
@@ -342,12 +327,12 @@ def fused_lamb_mp_(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_s
                    beta1: float, beta2: float, eps: float, weight_decay: float,
                    adam_w_mode: bool, bias_correction: bool, grad_averaging: bool,
                    max_grad_norm: float, use_nvlamb: bool) -> None:
-    """fused_lamb_ with lr and the number of the step being taken (the caller's, not written)
-    read from 1-element fp32 tensors (on the host here)."""
-    if not params or _skips(found_inf):
+    if not params:
         return
-    _lamb(params, grads, exp_avgs, exp_avg_sqs, model_params, [float(step)] * len(params),
-          inv_scale, found_inf, grad_norm, float(lr), beta1, beta2, eps, weight_decay,
-          adam_w_mode, bias_correction, grad_averaging, max_grad_norm, use_nvlamb)
+    taken = step.reshape(1).to(torch.float32) - 1.0
+    steps = list(taken.expand(len(params)).clone().unbind(0))
+    fused_lamb_(params, grads, exp_avgs, exp_avg_sqs, model_params, steps, inv_scale, found_inf,
+                grad_norm, float(lr), beta1, beta2, eps, weight_decay, adam_w_mode,
+                bias_correction, grad_averaging, max_grad_norm, use_nvlamb)
 
 # ---- end fused_lamb_mp_ ----
