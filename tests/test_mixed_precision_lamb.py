@@ -6,10 +6,8 @@ torch.amp.GradScaler and under apex_lite's amp (O1, O2), apex's amp_C ops
 through the apex alias. Runs on the backend the environment selects (both, in two runs)."""
 from __future__ import annotations
 
-import copy
 import inspect
 import io
-import math
 import os
 import subprocess
 import sys
@@ -20,7 +18,7 @@ import torch
 from apex_lite import amp, apex_multi_tensor as amp_C
 from apex_lite.optimizers import FusedLAMB, FusedMixedPrecisionLamb
 from test_fused_optimizers import (CHUNK, F64_TOL, RefLAMB, assert_bitwise, backward_with_grads,
-                                   copies, grads_for, half_tolerance, make_params)
+                                   copies, grads_for, make_params)
 
 SHAPES = [(33, 17), (555,), (1,), (CHUNK + 1,), (0,)]
 HALF = [torch.float16, torch.bfloat16]
@@ -41,7 +39,7 @@ def _state_tensors(opt, params):
     return [{k: v.clone() for k, v in opt.state.get(p, {}).items()} for p in params]
 
 
-# ---- construction ---------------------------------------------------------------------------------
+# ---- construction -------------------------------------------------------------------------------
 
 def test_signature_is_apexs():
     params = list(inspect.signature(FusedMixedPrecisionLamb.__init__).parameters.values())[1:]
@@ -81,7 +79,7 @@ def test_refused_arguments(kwargs, error, match):
         FusedMixedPrecisionLamb(make_params(SHAPES[:1]), **kwargs)
 
 
-# ---- the update -------------------------------------------------------------------------------------
+# ---- the update ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32] + HALF)
 def test_against_float64_lamb(dtype):
@@ -143,9 +141,10 @@ def test_mixed_dtypes_in_a_group_and_params_without_grads():
     b, c = b.detach().half().requires_grad_(), c.detach().bfloat16().requires_grad_()
     params = [a, b, c, d]
     opt = FusedMixedPrecisionLamb(params, reduced_precision_dtype=torch.float16, **LAMB_KW)
-    ref = FusedLAMB(copies(params), **LAMB_KW)      # FusedLAMB steps bf16 in place, as here
-    ref_b = copies([b], torch.float32)[0]
-    ref_opt_b = None
+    # FusedLAMB, with an fp32 copy where ours keeps a master: the same bits.
+    ref = [a.detach().clone(), b.detach().float(), c.detach().clone(), d.detach().clone()]
+    ref = [r.requires_grad_() for r in ref]
+    ref_opt = FusedLAMB(ref, **LAMB_KW)
     shapes = [p.shape for p in params]
     d_before = d.detach().clone()
     for step in range(3):
@@ -154,19 +153,21 @@ def test_mixed_dtypes_in_a_group_and_params_without_grads():
         opt.zero_grad()
         backward_with_grads(params[:3], grads[:3])
         opt.step()
+        ref_opt.zero_grad()
+        backward_with_grads(ref[:3], grads[:3])
+        ref_opt.step()
+    assert_bitwise([a, opt.state[b]["master_param"], c], [r.detach() for r in ref[:3]])
     assert set(opt.state[b]) == {"exp_avg", "exp_avg_sq", "master_param"}
     assert set(opt.state[a]) == set(opt.state[c]) == {"exp_avg", "exp_avg_sq"}
     assert d not in opt.state and torch.equal(d.detach(), d_before)
     assert torch.equal(b.detach(), opt.state[b]["master_param"].half())
     assert opt.param_groups[0]["step"].tolist() == [3]
-    del ref, ref_b, ref_opt_b
 
 
 def test_lr_tensor_is_read_at_every_step_and_schedulers_write_it():
     params = make_params(SHAPES[:2])
     opt = FusedMixedPrecisionLamb(params, lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    lr = opt.param_groups[0]["lr"]
     for step in range(3):
         _step_with(opt, params, grads_for(step, [p.shape for p in params]))
         sched.step()
@@ -178,7 +179,6 @@ def test_lr_tensor_is_read_at_every_step_and_schedulers_write_it():
     before = [p.detach().clone() for p in params]
     _step_with(opt, params, grads_for(9, [p.shape for p in params]))
     assert_bitwise(params, before)
-    del lr
 
 
 def test_a_refused_step_changes_nothing():
@@ -191,7 +191,7 @@ def test_a_refused_step_changes_nothing():
     assert opt.param_groups[0]["step"].tolist() == [0]
 
 
-# ---- state_dict ---------------------------------------------------------------------------------------
+# ---- state_dict ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", HALF)
 def test_state_dict_round_trip_keeps_the_masters(dtype):
@@ -250,7 +250,7 @@ def test_apex_layout_state_without_masters_makes_them_from_the_params():
     assert all(other.state[p]["master_param"].dtype == torch.float32 for p in other_params)
 
 
-# ---- torch.amp.GradScaler ---------------------------------------------------------------------------
+# ---- torch.amp.GradScaler -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("position", ["first", "middle", "last"])
 @pytest.mark.parametrize("value", [float("inf"), float("nan")])
@@ -295,7 +295,7 @@ def test_grad_scaler(dtype, value, position):
     assert not hasattr(scaled_opt, "grad_scale") and not hasattr(scaled_opt, "found_inf")
 
 
-# ---- apex_lite's amp ------------------------------------------------------------------------------
+# ---- apex_lite's amp ----------------------------------------------------------------------------
 
 def _net():
     torch.manual_seed(0)
@@ -346,7 +346,7 @@ def test_amp_fused_step_true_is_refused_naming_why(fresh_amp):
         _amp_train(lambda ps: FusedMixedPrecisionLamb(ps), "O2", steps=1, fused_step=True)
 
 
-# ---- amp_C ---------------------------------------------------------------------------------------------
+# ---- amp_C --------------------------------------------------------------------------------------
 
 def _apex_step(params, masters, state, group, grad_scale=None, found_inf=None):
     """apex's FusedMixedPrecisionLamb.step, as its source makes the amp_C calls (apex's argument
@@ -440,7 +440,7 @@ def test_amp_c_names():
                                    True, 2, torch.ones(1), 1.0, False, 0.0, 1.0)
 
 
-# ---- the apex alias, in a subprocess --------------------------------------------------------------
+# ---- the apex alias, in a subprocess ------------------------------------------------------------
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

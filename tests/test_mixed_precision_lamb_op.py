@@ -115,7 +115,8 @@ def test_late_count_and_lr_from_the_tensor(backend, device):
 def test_found_inf_changes_nothing(backend, device, tensor_index, position, value):
     call = mp_call([CHUNK + 3, 100, CHUNK + 5], "O2-fp16", device)
     target = call["grads"][tensor_index]
-    target[{"first": 0, "middle": target.numel() // 2, "last": target.numel() - 1}[position]] = value
+    index = {"first": 0, "middle": target.numel() // 2, "last": target.numel() - 1}[position]
+    target[index] = value
     before = {key: [t.clone() for t in tensors] for key, tensors in call.items()}
     o = {**HYPER["lamb"], **LAMB_OPTIONS[0], "max_grad_norm": 1.0}
     step_t = torch.tensor([3.0], device=device)
