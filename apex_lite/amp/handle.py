@@ -18,7 +18,7 @@ import torch
 from . import casting, diagnostics, fsdp
 from . import report as report_module
 from .opt_levels import OPT_LEVELS, Properties, resolve_properties
-from . import model_hooks, step_path
+from . import masters, model_hooks, step_path
 # The hooks kept with a model, importable where models pickled before model_hooks.py find them.
 from .model_hooks import (_DtypeGuard, _Fp32StateDict, _MastersFollowModelLoads,  # noqa: F401
                           _ModelZeroGrad)
@@ -594,22 +594,7 @@ class AmpHandle:
             kept_params = {id(p) for _, m in kept for p in m.parameters()}
             if props.master_weights:
                 # Masters are the original fp32 values, before the cast rounds them.
-                for name, p in model.named_parameters():
-                    # FSDP2's sharded fp32 parameters are their own masters (fsdp.py).
-                    if p.is_floating_point() and id(p) not in kept_params \
-                            and not fsdp.is_sharded(p):
-                        # A parameter shared with a model prepared before keeps its master.
-                        master = run.master_of.get(p)
-                        if master is None:
-                            # The fp32 storage itself becomes the master (``.data``: no autograd
-                            # history, its own version counter); the cast below gives the
-                            # parameter new half storage. No copy: O2's setup never holds
-                            # fp32 twice.
-                            master = p.data
-                            master.requires_grad_(p.requires_grad)
-                            run.master_of[p] = master
-                            run.model_of[master] = p
-                        run.master_pairs[index].append((name, p, master))
+                masters.make_masters(run, index, model, kept_params)
             if run.sharding is not None:
                 run.sharding.cast_model(model, cast_type, kept,
                                         cast_shards=not props.master_weights)
