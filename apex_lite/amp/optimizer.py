@@ -54,6 +54,10 @@ from .scaler import BackwardScale
 
 CLEAN, SCALED, UNSCALED, CHECKED = "clean", "scaled", "unscaled", "checked"
 
+# The attribute that marks what ``initialize`` took over: on an optimizer, its ``AmpOptimizer``
+# (``optimizer._apex_lite_amp``); on a model, the opt level.
+MARK = "_apex_lite_amp"
+
 # The key of the amp state in an amp optimizer's state_dict() (beside torch's "state" and
 # "param_groups"; torch's load_state_dict reads only those two).
 AMP_STATE_KEY = "apex_lite_amp"
