@@ -18,7 +18,7 @@ import torch
 from . import casting, diagnostics, fsdp, init_checks, model_hooks
 from . import report as report_module
 from . import run as run_module
-from . import step_path
+from . import saved_state, step_path
 from .init_checks import as_list as _as_list
 # The hooks kept with a model, importable where models pickled before model_hooks.py find them.
 from .model_hooks import (_DtypeGuard, _Fp32StateDict, _MastersFollowModelLoads,  # noqa: F401
@@ -26,7 +26,7 @@ from .model_hooks import (_DtypeGuard, _Fp32StateDict, _MastersFollowModelLoads,
 from .opt_levels import OPT_LEVELS, Properties, resolve_properties
 from .optimizer import MARK as _MARK, AmpOptimizer
 from .overflow import OverflowCheck, is_logging_rank
-from .run import STATE_KEY, _DisabledRun, _Run
+from .run import _DisabledRun, _Run
 from .scaler import DEFAULT_SCALE_WINDOW, DEFAULT_SYNC_INTERVAL, LossScaler
 
 logger = logging.getLogger("apex_lite.amp")
@@ -231,9 +231,7 @@ class AmpHandle:
         state = OrderedDict() if destination is None else destination
         if run is None or not run.enabled:
             return state
-        state.update(run.scaler_state())
-        state[STATE_KEY]["master_weights"] = [[master.detach().clone() for _, _, master in pairs]
-                                              for pairs in run.master_pairs]
+        state.update(saved_state.amp_state_dict(run))
         return state
 
     def load_state_dict(self, state_dict) -> None:
@@ -249,8 +247,8 @@ class AmpHandle:
                             f"{type(state_dict).__name__}")
         if not run.enabled:
             return
-        run.check_state(state_dict, with_masters=True)
-        run.apply_state(state_dict)
+        saved_state.check_state(run, state_dict, with_masters=True)
+        saved_state.apply_state(run, state_dict)
 
     # ---- helpers ----------------------------------------------------------------------------
     def loss_scalers(self) -> List[LossScaler]:

@@ -5,9 +5,8 @@ so LR schedulers created before or after keep working): ``step``, ``zero_grad`` 
 ``add_param_group``. ``state_dict`` / ``load_state_dict`` keep torch's: under O2 the
 ``param_groups`` hold the fp32 masters themselves, so optimizer state is keyed by, saved from and
 loaded into fp32 tensors. torch's state_dict hooks add one thing: the amp state (the run's loss
-scalers) travels under the key ``AMP_STATE_KEY`` of the optimizer's own ``state_dict()``, so
-that a framework that saves only the model and the optimizer resumes the loss scale and its
-counters; a plain torch optimizer's ``load_state_dict`` ignores that key.
+scalers) travels under the key ``AMP_STATE_KEY`` of the optimizer's own ``state_dict()``
+(saved_state.py).
 
 Gradient bookkeeping per optimizer (``grad_state``):
 - CLEAN: no gradient since ``zero_grad`` (or gradients that are None / zero);
@@ -50,6 +49,7 @@ from . import fsdp
 from .masters import MasterWeights, _DeviceGroup
 from .model_hooks import BackwardWatches
 from .overflow import OverflowCheck
+from .saved_state import AMP_STATE_KEY, OptimizerAmpState  # noqa: F401 (AMP_STATE_KEY: its old home)
 from .scaler import BackwardScale
 
 CLEAN, SCALED, UNSCALED, CHECKED = "clean", "scaled", "unscaled", "checked"
@@ -57,10 +57,6 @@ CLEAN, SCALED, UNSCALED, CHECKED = "clean", "scaled", "unscaled", "checked"
 # The attribute that marks what ``initialize`` took over: on an optimizer, its ``AmpOptimizer``
 # (``optimizer._apex_lite_amp``); on a model, the opt level.
 MARK = "_apex_lite_amp"
-
-# The key of the amp state in an amp optimizer's state_dict() (beside torch's "state" and
-# "param_groups"; torch's load_state_dict reads only those two).
-AMP_STATE_KEY = "apex_lite_amp"
 
 class AmpOptimizer:
     """The amp state of one optimizer, reachable as ``optimizer._apex_lite_amp``."""
@@ -86,9 +82,8 @@ class AmpOptimizer:
         # blocks given it, since they were last cleared (model_hooks._ForeignBackward).
         self.foreign_backward = False
         self.watches = BackwardWatches(self)
-        # The amp state a load_state_dict is bringing in: checked before torch loads the
-        # optimizer's part, applied after torch has (so that nothing changes when either fails).
-        self._incoming_amp_state: Optional[dict] = None
+        # The amp state carried in the optimizer's own state_dict() (saved_state.py).
+        self.saved_state = OptimizerAmpState(self)
         # The parameters per device, O2's master weights and gradients.
         self.weights = MasterWeights(optimizer, model_of)
         # How step() applies the update: UnfusedStep or FusedStep (step_path.py), set by
@@ -109,43 +104,8 @@ class AmpOptimizer:
         opt.zero_grad = types.MethodType(_make_method("zero_grad"), opt)
         opt.add_param_group = types.MethodType(_make_method("add_param_group"), opt)
         opt._apex_lite_amp = self
-        opt.register_state_dict_post_hook(self._add_amp_state)
-        opt.register_load_state_dict_pre_hook(self._take_amp_state)
-        opt.register_load_state_dict_post_hook(self._load_amp_state)
+        self.saved_state.install()
         self.watches.watch([p for group in opt.param_groups for p in group["params"]])
-
-    # ---- the amp state in the optimizer's own state_dict() ----------------------------------
-    def _add_amp_state(self, optimizer, state_dict: dict) -> dict:
-        """state_dict post-hook: the run's loss scalers beside torch's state (plain numbers)."""
-        state_dict[AMP_STATE_KEY] = self.run.scaler_state()
-        return state_dict
-
-    def _take_amp_state(self, optimizer, state_dict: dict) -> dict:
-        """load_state_dict pre-hook, before torch changes anything: take the amp state out of
-        torch's copy of the dict and check it as amp.load_state_dict does; one that does not fit
-        this run is refused here, so the optimizer's state is not loaded either."""
-        self._incoming_amp_state = None
-        carried = state_dict.pop(AMP_STATE_KEY, None)
-        if carried is None:
-            return state_dict
-        if not isinstance(carried, dict):
-            raise ValueError(f"{self.label()}.load_state_dict: the state's {AMP_STATE_KEY!r} "
-                             f"entry is a {type(carried).__name__}, not the dict an amp "
-                             f"optimizer's state_dict() writes; the checkpoint is damaged")
-        try:
-            self.run.check_state(carried, with_masters=False)
-        except ValueError as exc:
-            raise ValueError(f"{self.label()}.load_state_dict: the amp state this optimizer "
-                             f"state carries (under {AMP_STATE_KEY!r}) does not fit this run, "
-                             f"so nothing was loaded: {exc}") from exc
-        self._incoming_amp_state = carried
-        return state_dict
-
-    def _load_amp_state(self, optimizer) -> None:
-        """load_state_dict post-hook: torch loaded the optimizer's part; now the loss scalers."""
-        carried, self._incoming_amp_state = self._incoming_amp_state, None
-        if carried is not None:
-            self.run.apply_state(carried)
 
     # ---- the parameters (masters.py) ----------------------------------------------------------
     def groups(self) -> Dict[torch.device, _DeviceGroup]:
