@@ -15,7 +15,8 @@ import sys
 import pytest
 import torch
 
-from apex_lite import amp, apex_multi_tensor as amp_C
+from apex_lite import amp
+from apex_lite.apex_compat import multi_tensor as amp_C
 from apex_lite.optimizers import FusedLAMB, FusedMixedPrecisionLamb
 from test_fused_optimizers import (CHUNK, F64_TOL, RefLAMB, assert_bitwise, backward_with_grads,
                                    copies, grads_for, make_params)
