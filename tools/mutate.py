@@ -1,0 +1,178 @@
+#!/usr/bin/env python3
+"""Can the suite fail? Break the library on purpose, one mutation at a time, and see.
+
+Each mutation in MUTATIONS replaces one piece of text in apex_lite/ (found by searching every
+.py file under apex_lite/, so a mutation survives the file it lives in being moved or split;
+the text must occur exactly once) and names the tests that claim to cover that code. For each
+mutation this script copies the working tree (the built extension included) to a scratch
+directory once, applies the change there, runs the named tests from tests/ against the scratch
+copy (as tools/test.sh runs them against the installed package), and restores the file. A
+mutation is
+
+  killed     when at least one named test fails (pytest exit status 1),
+  SURVIVED   when all of them pass: the tests do not check what they claim,
+  ERROR      when the text is not found (or not unique), the tests are not collected, or pytest
+             stops otherwise (the list needs updating, not the library).
+
+Before the mutations, the named tests are run once unmutated: they must pass, or a kill means
+nothing. Not part of CI (each mutation costs a pytest start, several seconds); run it after
+changing tests or the code they cover:
+
+    python tools/mutate.py                  # all mutations, the backends each one names
+    python tools/mutate.py -k lamb          # only those whose name contains "lamb"
+    python tools/mutate.py --list
+
+The exit status is 1 when a mutation survived or errored. Never commit a mutation: the working
+tree is not touched.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List, Sequence, Tuple
+
+ROOT = Path(__file__).resolve().parent.parent
+BACKENDS = {"native": {"APEX_LITE_REQUIRE_EXT": "1"}, "python": {"APEX_LITE_DISABLE_EXT": "1"}}
+
+
+@dataclass
+class Mutation:
+    name: str
+    find: str                   # text in some apex_lite/**/*.py, exactly once
+    replace: str
+    tests: Sequence[str]        # pytest node ids or files, relative to tests/
+    k: str = ""                 # an optional pytest -k expression
+    backends: Tuple[str, ...] = ("native",)
+    why: str = ""               # what the mutation stands for
+    extra: List[str] = field(default_factory=list)
+
+
+M = Mutation
+MUTATIONS: List[Mutation] = [
+    # issue 34, row 1: O1 always under autocast, whatever patch_torch_functions says.
+    M("o1-ignores-patch_torch_functions",
+      "        elif props.patch_torch_functions:\n",
+      "        elif props.opt_level == \"O1\":\n",
+      ["test_amp_initialize.py::test_overrides_take_effect"]),
+    M("cast_model_outputs-ignored-at-o1",
+      "output_dtype=props.cast_model_outputs or torch.float32)\n        elif props.cast_model_outputs",
+      "output_dtype=torch.float32)\n        elif props.cast_model_outputs",
+      ["test_amp_initialize.py::test_overrides_take_effect"]),
+    M("patch_torch_functions-override-dropped",
+      "patch_torch_functions=(level.patch_torch_functions if patch_torch_functions is None\n"
+      "                               else patch_torch_functions)",
+      "patch_torch_functions=level.patch_torch_functions",
+      ["test_amp_initialize.py::test_overrides_take_effect"]),
+]
+
+
+def _sources(tree: Path) -> List[Path]:
+    return sorted(p for p in (tree / "apex_lite").rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def locate(tree: Path, text: str) -> Tuple[Path, str]:
+    """The one file under ``tree``/apex_lite holding ``text`` once, and its contents."""
+    hits = []
+    for path in _sources(tree):
+        content = path.read_text()
+        count = content.count(text)
+        if count:
+            hits.append((path, content, count))
+    if len(hits) != 1 or hits[0][2] != 1:
+        where = ", ".join(f"{p.relative_to(tree)} x{c}" for p, _, c in hits) or "nowhere"
+        raise LookupError(f"text found {where}; it must occur exactly once")
+    return hits[0][0], hits[0][1]
+
+
+def run_tests(tree: Path, tests: Sequence[str], k: str, backend: str, timeout: float):
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("APEX_LITE_REQUIRE_EXT", "APEX_LITE_DISABLE_EXT")}
+    env.update(BACKENDS[backend], PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1")
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+    if k:
+        cmd += ["-k", k]
+    try:
+        proc = subprocess.run(cmd, cwd=tree / "tests", env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return "timeout", ""
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    return proc.returncode, (lines[-1] if lines else proc.stderr.strip()[-300:])
+
+
+def copy_tree(scratch: Path) -> Path:
+    tree = scratch / "tree"
+    shutil.copytree(ROOT, tree, ignore=shutil.ignore_patterns(
+        ".git", "__pycache__", "*.pyc", "build", ".pytest_cache", "bench"))
+    return tree
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("-k", default="", help="only mutations whose name contains this")
+    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per pytest run")
+    parser.add_argument("--keep", action="store_true", help="keep the scratch copy")
+    args = parser.parse_args(argv)
+    chosen = [m for m in MUTATIONS if args.k in m.name]
+    if args.list:
+        for m in chosen:
+            print(f"{m.name}: {' '.join(m.tests)}{' -k ' + m.k if m.k else ''} "
+                  f"[{', '.join(m.backends)}]")
+        return 0
+    scratch = Path(tempfile.mkdtemp(prefix="apex_lite_mutate_"))
+    results = []
+    try:
+        tree = copy_tree(scratch)
+        # The named tests must pass unmutated, per backend.
+        for backend in BACKENDS:
+            groups = {}
+            for m in chosen:
+                if backend in m.backends:
+                    groups.setdefault(m.k, set()).update(m.tests)
+            for k, tests in groups.items():
+                status, last = run_tests(tree, sorted(tests), k, backend, args.timeout)
+                print(f"baseline [{backend}{' -k ' + k if k else ''}]: {last}", flush=True)
+                if status != 0:
+                    print("the named tests fail unmutated: fix them first", file=sys.stderr)
+                    return 1
+        for m in chosen:
+            try:
+                path, original = locate(tree, m.find)
+            except LookupError as exc:
+                results.append((m.name, "-", "ERROR", str(exc)))
+                print(f"{m.name}: ERROR {exc}", flush=True)
+                continue
+            path.write_text(original.replace(m.find, m.replace))
+            try:
+                for backend in m.backends:
+                    start = time.monotonic()
+                    status, last = run_tests(tree, m.tests, m.k, backend, args.timeout)
+                    verdict = {0: "SURVIVED", 1: "killed"}.get(status, "ERROR")
+                    rel = path.relative_to(tree)
+                    results.append((m.name, backend, verdict, f"{rel}: {last}"))
+                    print(f"{m.name} [{backend}] {verdict} ({time.monotonic() - start:.0f}s) "
+                          f"{rel}: {last}", flush=True)
+            finally:
+                path.write_text(original)
+    finally:
+        if args.keep:
+            print(f"scratch copy kept at {scratch}")
+        else:
+            shutil.rmtree(scratch, ignore_errors=True)
+    bad = [r for r in results if r[2] != "killed"]
+    print(f"\n{len(results) - len(bad)} of {len(results)} mutation runs killed"
+          + ("".join(f"\n  {name} [{backend}]: {verdict} {detail}"
+                     for name, backend, verdict, detail in bad)))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
