@@ -1201,7 +1201,10 @@ def test_zero_grad_follows_set_grad_none_unless_told(cls, default_none):
 SCALER_CASES = {
     "adamw": lambda ps: FusedAdam(ps, lr=1e-3, weight_decay=0.1),
     "sgd": lambda ps: FusedSGD(ps, lr=0.01, momentum=0.9, dampening=0.1),
-    "lamb": lambda ps: FusedLAMB(ps, lr=1e-3),
+    # Clipping off: active clipping (the gradients' norm here is ~3.3, the default max_grad_norm
+    # 1) divides the scale out of the gradients, so a LAMB ignoring the scale would pass.
+    "lamb": lambda ps: FusedLAMB(ps, lr=1e-3, max_grad_norm=0),
+    "lamb-clipped": lambda ps: FusedLAMB(ps, lr=1e-3, max_grad_norm=1.0),
 }
 
 

@@ -70,6 +70,17 @@ MUTATIONS: List[Mutation] = [
       "                               else patch_torch_functions)",
       "patch_torch_functions=level.patch_torch_functions",
       ["test_amp_initialize.py::test_overrides_take_effect"]),
+    M("o1-autocast-ignores-half_dtype",
+      "casting.wrap_forward(model, autocast_dtype=props.half_dtype,",
+      "casting.wrap_forward(model, autocast_dtype=torch.bfloat16,",
+      ["test_amp_initialize.py::test_dtypes_per_level"]),
+    # row 2: FusedLAMB ignoring GradScaler's scale (the unscaled gradients' norm still clips).
+    M("lamb-ignores-grad-scaler-scale",
+      "update(state, inv_scale, found_inf, self._hyper(group), norm, grads=update_grads)",
+      "update(state, torch.ones_like(inv_scale), found_inf, self._hyper(group), norm, "
+      "grads=update_grads)",
+      ["test_fused_optimizers.py::test_grad_scaler_hands_scale_and_found_inf_to_the_op"],
+      k="lamb and not clipped", backends=("native", "python")),
 ]
 
 
