@@ -146,6 +146,31 @@ MUTATIONS: List[Mutation] = [
       "            return None\n        return self.path.apply(self, None)",
       "            return None\n        return None",
       ["test_amp_misuse.py::test_one_handle_per_thread_trains_independently"]),
+    # row 7: the JIT path, tested against the checkout's csrc/ (no longer skipped in CI).
+    M("jit-error-reported-without-the-compiler-message",
+      'compiling the kernels failed: {type(exc).__name__}: {exc}"',
+      'compiling the kernels failed: {type(exc).__name__}"',
+      ["test_multi_tensor.py::test_jit_compiler_error_is_reported_whole"]),
+    M("jit-build-without-the-cpu-sources",
+      'sources += sorted(glob.glob(os.path.join(CSRC, "cpu", "*.cpp")))',
+      'sources += []',
+      ["test_multi_tensor.py::test_jit_build_compiles_every_source_with_setup_py_flags"]),
+    M("jit-build-without-setup-py-flags",
+      "extra_cflags=flags.cxx_flags(flags.cpu_arch())", "extra_cflags=[\"-O2\"]",
+      ["test_multi_tensor.py::test_jit_build_compiles_every_source_with_setup_py_flags"]),
+    # row 9: gradient accumulation against plain torch (O2 with delay_unscale exact, not 2e-2).
+    M("unscale-off-by-0.4-percent",
+      "        inv_scale = scale.inv\n        accumulate = self.grad_state == UNSCALED",
+      "        inv_scale = scale.inv * 1.004\n        accumulate = self.grad_state == UNSCALED",
+      ["test_amp_scaling.py::test_gradient_accumulation"], k="True-O2-unfused"),
+    M("accumulation-keeps-only-the-last-micro-batch",
+      "        accumulate = self.grad_state == UNSCALED",
+      "        accumulate = False",
+      ["test_amp_scaling.py::test_gradient_accumulation"], k="False-O2-unfused"),
+    M("accumulated-gradients-not-unscaled",
+      "scale if isinstance(scale, torch.Tensor) else float(scale), 1.0, found_inf)",
+      "1.0, 1.0, found_inf)",
+      ["test_amp_scaling.py::test_gradient_accumulation"], k="O1"),
 ]
 
 
