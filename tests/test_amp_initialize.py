@@ -238,9 +238,17 @@ def test_function_decorators_under_autocast(decorator, inputs, expected):
 
 def test_register_functions_and_disable_casts():
     import types
-    module = types.SimpleNamespace(mm=lambda a, b: a @ b, softmax=lambda t: torch.softmax(t, -1))
+    args_seen = []
+
+    def mix(a, b):   # what autocast alone would run in bf16 (a matmul)
+        args_seen.append((a.dtype, b.dtype))
+        return a @ b
+
+    module = types.SimpleNamespace(mm=lambda a, b: a @ b, softmax=lambda t: torch.softmax(t, -1),
+                                   mix=mix)
     amp.register_float_function(module, "softmax")
     amp.register_half_function(module, "mm")
+    amp.register_promote_function(module, "mix")
 
     class Model(torch.nn.Module):
         def __init__(self):
@@ -252,13 +260,19 @@ def test_register_functions_and_disable_casts():
             prod = module.mm(x, self.w)
             with amp.disable_casts():
                 plain = x @ self.w
-            seen.update(soft=soft.dtype, prod=prod.dtype, plain=plain.dtype)
+            # promote: the widest of the arguments' dtypes, autocast off inside.
+            wide, narrow = module.mix(x.to(torch.bfloat16), self.w), module.mix(
+                x.to(torch.bfloat16), self.w.to(torch.bfloat16))
+            seen.update(soft=soft.dtype, prod=prod.dtype, plain=plain.dtype, wide=wide.dtype,
+                        narrow=narrow.dtype)
             return prod
 
     seen = {}
     model = amp.initialize(Model(), opt_level="O1", verbosity=0)
     model(torch.randn(2, 4))
-    assert seen == {"soft": torch.float32, "prod": torch.bfloat16, "plain": torch.float32}
+    assert seen == {"soft": torch.float32, "prod": torch.bfloat16, "plain": torch.float32,
+                    "wide": torch.float32, "narrow": torch.bfloat16}
+    assert args_seen == [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)]
     with pytest.raises(ValueError, match="No function named 'nope'"):
         amp.register_half_function(module, "nope")
 

@@ -307,6 +307,25 @@ def test_gradient_accumulation(level, kwargs, delay_unscale):
     opt.step()
 
 
+def test_scale_loss_takes_apex_model_argument_and_trains_as_without_it():
+    """apex's scale_loss(..., model=) is accepted and changes nothing: three O2 steps with it
+    equal three without, bit for bit."""
+    runs = []
+    for pass_model in (False, True):
+        amp.default_handle().__init__()
+        torch.manual_seed(3)
+        model, opt = _setup("O2", opt_cls=torch.optim.SGD)
+        for step in range(3):
+            opt.zero_grad()
+            with amp.scale_loss(_micro_batch_loss(model, batch(step)), opt,
+                                model=model if pass_model else None) as scaled:
+                scaled.backward()
+            opt.step()
+        runs.append(snapshot(model, opt))
+    assert amp.loss_scalers()[0].steps == 3 and not amp.loss_scalers()[0].skipped_steps
+    assert_bitwise_equal(*runs)
+
+
 def test_accumulation_without_zero_grad_after_step_adds_like_torch():
     model, opt = _setup("O0", opt_cls=torch.optim.SGD)
     x, y = batch(0)

@@ -171,6 +171,41 @@ MUTATIONS: List[Mutation] = [
       "scale if isinstance(scale, torch.Tensor) else float(scale), 1.0, found_inf)",
       "1.0, 1.0, found_inf)",
       ["test_amp_scaling.py::test_gradient_accumulation"], k="O1"),
+    # row 10: what was untested.
+    M("register_promote_function-registers-half",
+      '    """Make ``module.name`` a ``promote_function``."""\n    _register("promote", module, name)',
+      '    """Make ``module.name`` a ``promote_function``."""\n    _register("half", module, name)',
+      ["test_amp_initialize.py::test_register_functions_and_disable_casts"]),
+    M("promote-casts-to-fp32-always",
+      "            dtype = _widest(args, kwargs)", "            dtype = torch.float32",
+      ["test_amp_initialize.py::test_register_functions_and_disable_casts"]),
+    M("explicit-process_group-dropped",
+      "hysteresis=hysteresis, scale_window=scale_window, process_group=process_group,",
+      "hysteresis=hysteresis, scale_window=scale_window, process_group=None,",
+      ["test_distributed.py::"
+       "test_an_explicit_process_group_is_the_one_the_overflow_flag_is_reduced_over"]),
+    M("scale_loss-model-taken-for-delay_unscale",
+      "loss_id=loss_id, model=model,\n"
+      "                                      delay_unscale=delay_unscale,",
+      "loss_id=loss_id, model=None,\n"
+      "                                      delay_unscale=delay_unscale or model is not None,",
+      ["test_amp_scaling.py::test_scale_loss_takes_apex_model_argument_and_trains_as_without_it"]),
+    M("apex_alias-module-gets-the-wrong-argv",
+      "        sys.argv = argv[1:]\n        runpy.run_module(",
+      "        sys.argv = argv\n        runpy.run_module(",
+      ["test_apex_alias.py::test_the_command_runs_a_module_with_the_alias"]),
+    M("o2-masters-ignore-half-loads",
+      "                elif not torch.equal(master.to(model_param.dtype), model_param):\n"
+      "                    master.copy_(model_param)",
+      "                elif False:\n                    master.copy_(model_param)",
+      ["test_amp_checkpoint.py::"
+       "test_loading_half_weights_into_an_o2_model_moves_the_masters_to_them"]),
+    M("o2-masters-replaced-by-their-own-rounding",
+      "                elif not torch.equal(master.to(model_param.dtype), model_param):\n"
+      "                    master.copy_(model_param)",
+      "                else:\n                    master.copy_(model_param)",
+      ["test_amp_checkpoint.py::"
+       "test_loading_half_weights_into_an_o2_model_moves_the_masters_to_them"]),
 ]
 
 
