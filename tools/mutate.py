@@ -21,6 +21,7 @@ changing tests or the code they cover:
     python tools/mutate.py                  # all mutations, the backends each one names
     python tools/mutate.py -k lamb          # only those whose name contains "lamb"
     python tools/mutate.py --list
+    python tools/mutate.py --check          # are the texts still found once? (no tests run)
 
 The exit status is 1 when a mutation survived or errored. Never commit a mutation: the working
 tree is not touched.
@@ -254,6 +255,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("-k", default="", help="only mutations whose name contains this")
     parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--check", action="store_true",
+                        help="only check that each mutation's text is found once (after code "
+                             "moved), run no tests")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per pytest run")
     parser.add_argument("--keep", action="store_true", help="keep the scratch copy")
     args = parser.parse_args(argv)
@@ -263,6 +267,16 @@ def main(argv=None) -> int:
             print(f"{m.name}: {' '.join(m.tests)}{' -k ' + m.k if m.k else ''} "
                   f"[{', '.join(m.backends)}]")
         return 0
+    if args.check:
+        missing = 0
+        for m in chosen:
+            try:
+                path, _ = locate(ROOT, m.find)
+                print(f"{m.name}: {path.relative_to(ROOT)}")
+            except LookupError as exc:
+                missing += 1
+                print(f"{m.name}: ERROR {exc}")
+        return 1 if missing else 0
     scratch = Path(tempfile.mkdtemp(prefix="apex_lite_mutate_"))
     results = []
     try:
