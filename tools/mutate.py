@@ -35,7 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Sequence, Tuple
 
@@ -51,8 +51,6 @@ class Mutation:
     tests: Sequence[str]        # pytest node ids or files, relative to tests/
     k: str = ""                 # an optional pytest -k expression
     backends: Tuple[str, ...] = ("native",)
-    why: str = ""               # what the mutation stands for
-    extra: List[str] = field(default_factory=list)
 
 
 M = Mutation
@@ -63,7 +61,8 @@ MUTATIONS: List[Mutation] = [
       "        elif props.opt_level == \"O1\":\n",
       ["test_amp_initialize.py::test_overrides_take_effect"]),
     M("cast_model_outputs-ignored-at-o1",
-      "output_dtype=props.cast_model_outputs or torch.float32)\n        elif props.cast_model_outputs",
+      "output_dtype=props.cast_model_outputs or torch.float32)\n"
+      "        elif props.cast_model_outputs",
       "output_dtype=torch.float32)\n        elif props.cast_model_outputs",
       ["test_amp_initialize.py::test_overrides_take_effect"]),
     M("patch_torch_functions-override-dropped",
@@ -108,12 +107,12 @@ MUTATIONS: List[Mutation] = [
       '1e-3, float(weight_decay), mode == 1,\n            bool(bias_correction))',
       ["test_apex_multi_tensor.py::test_adam"], k="cpu and fp16"),
     M('adam-lr-x1.5-bf16',
-      'call.params, call.grads, call.m, call.v, [], call.steps, inv_scale, found_inf,\n            call.lr,',
-      'call.params, call.grads, call.m, call.v, [], call.steps, inv_scale, found_inf,\n            call.lr * 1.5,',
+      'inv_scale, found_inf,\n            call.lr, float(beta1)',
+      'inv_scale, found_inf,\n            call.lr * 1.5, float(beta1)',
       ["test_apex_multi_tensor.py::test_adam"], k="cpu and bf16"),
     M('adam-lr-x1.5-fp16',
-      'call.params, call.grads, call.m, call.v, [], call.steps, inv_scale, found_inf,\n            call.lr,',
-      'call.params, call.grads, call.m, call.v, [], call.steps, inv_scale, found_inf,\n            call.lr * 1.5,',
+      'inv_scale, found_inf,\n            call.lr, float(beta1)',
+      'inv_scale, found_inf,\n            call.lr * 1.5, float(beta1)',
       ["test_apex_multi_tensor.py::test_adam"], k="cpu and fp16"),
     M('adam-step-off-by-one-bf16',
       'self.steps = _step_counts(op, step, len(self.params), self.device)',
@@ -174,8 +173,8 @@ MUTATIONS: List[Mutation] = [
       ["test_amp_scaling.py::test_gradient_accumulation"], k="O1"),
     # row 10: what was untested.
     M("register_promote_function-registers-half",
-      '    """Make ``module.name`` a ``promote_function``."""\n    _register("promote", module, name)',
-      '    """Make ``module.name`` a ``promote_function``."""\n    _register("half", module, name)',
+      '``promote_function``."""\n    _register("promote", module, name)',
+      '``promote_function``."""\n    _register("half", module, name)',
       ["test_amp_initialize.py::test_register_functions_and_disable_casts"]),
     M("promote-casts-to-fp32-always",
       "            dtype = _widest(args, kwargs)", "            dtype = torch.float32",
