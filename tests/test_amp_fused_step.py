@@ -156,10 +156,11 @@ def test_lists_held_in_cpp_step_as_the_list_path(name, monkeypatch):
     model, opt = _train(OPTIMIZERS[name], True, steps=8, inject_at={3})
     buckets = opt._apex_lite_amp.path.buckets()
     held = [b.update._plan.held for b in buckets]
-    if backend("cpu")[0] == "native":
-        assert all(h is not None and h is not False for h in held), held
-    else:
+    if backend("cpu")[0] != "native":
+        # The Python backend holds no lists: the list path is its only path, nothing to compare.
         assert all(h is False for h in held), held
+        return
+    assert all(h is not None and h is not False for h in held), held
     held_run = snapshot(model, opt), copy.deepcopy(opt.state_dict())
     _fresh_handle()
     for update_class in (AdamUpdate, SGDUpdate):

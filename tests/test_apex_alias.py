@@ -92,6 +92,28 @@ def test_the_command_runs_a_script_with_the_alias(tmp_path):
 
 
 @no_apex_here
+def test_the_command_runs_a_module_with_the_alias(tmp_path):
+    """``python -m apex_lite.apex_alias -m pkg.mod args``: the module runs as __main__, with the
+    alias installed, and sees its own arguments (sys.argv[0] its file, as ``python -m``)."""
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "mod.py").write_text(
+        "import json, sys\n"
+        "import apex.amp\n"
+        "if __name__ == '__main__':\n"
+        "    print(json.dumps({'argv': sys.argv, 'amp': apex.amp.__name__}))\n")
+    result = _python(["-m", "apex_lite.apex_alias", "-m", "pkg.mod", "a", "--flag", "-m"],
+                     path_first=tmp_path)
+    assert result.returncode == 0, result.stderr
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert seen["amp"] == "apex_lite.amp"
+    assert seen["argv"] == [str(package / "mod.py"), "a", "--flag", "-m"]
+    missing = _python(["-m", "apex_lite.apex_alias", "-m"])
+    assert missing.returncode == 2 and "-m needs a module name" in missing.stderr
+
+
+@no_apex_here
 def test_the_command_alone_prints_what_it_did():
     result = _python(["-m", "apex_lite.apex_alias"])
     assert result.returncode == 0, result.stderr
