@@ -22,7 +22,7 @@ from .init_checks import as_list as _as_list
 # The hooks kept with a model, importable where models pickled before model_hooks.py find them.
 from .model_hooks import (_DtypeGuard, _Fp32StateDict, _MastersFollowModelLoads,  # noqa: F401
                           _ModelZeroGrad)
-from .opt_levels import OPT_LEVELS, resolve_properties
+from .opt_levels import HALF_DTYPES, OPT_LEVELS, resolve_properties
 from .optimizer import MARK as _MARK, AmpOptimizer
 from .overflow import OverflowCheck, is_logging_rank
 from .run import _DisabledRun, _Run
@@ -77,7 +77,7 @@ class AmpHandle:
                                      hysteresis, scale_window, overflow_patience, sync_interval)
         init_checks.check_fused_step(fused_step)
         keep_fp32_modules = init_checks.keep_fp32_rules(keep_fp32_modules, properties, model_list)
-        casts_to_half = properties.cast_model_type in (torch.float16, torch.bfloat16)
+        casts_to_half = properties.cast_model_type in HALF_DTYPES
         sharding = fsdp.inspect(model_list)
         if sharding is not None:
             kept = [casting.modules_kept_fp32(m, bool(properties.keep_batchnorm_fp32),

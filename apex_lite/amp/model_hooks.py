@@ -29,6 +29,8 @@ from typing import Dict, List
 
 import torch
 
+from .opt_levels import HALF_DTYPES
+
 
 class _BackwardWatch:
     """Whether a backward ran through a ``scale_loss`` block's scaled loss, and a refusal of one
@@ -134,7 +136,7 @@ class _Fp32StateDict:
             master = self.masters.get(key[len(prefix):])
             if master is not None:
                 state_dict[key] = master.detach()
-            elif value.dtype in (torch.float16, torch.bfloat16):
+            elif value.dtype in HALF_DTYPES:
                 state_dict[key] = value.detach().float()
 
 

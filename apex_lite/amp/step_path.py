@@ -36,7 +36,7 @@ from ..optimizers import fusable
 from ..optimizers.fused_lamb import LambUpdate, global_grad_norm
 from ..optimizers.update import FusedUpdate
 from ..optimizers.watched_state import watch_state
-from . import fsdp
+from . import fsdp_norms
 from .masters import flag_nonfinite, fused_scale, present_grads
 from .optimizer import CHECKED, CLEAN, SCALED, UNSCALED
 from .scaler import BackwardScale
@@ -114,7 +114,7 @@ def _clip_master_grads(amp_opt, max_norm: float, norm_type: float) -> torch.Tens
     """torch's clip_grad_norm_ over the masters' (true) gradients (over whole tensors when
     FSDP2 shards them)."""
     params = [p for p in amp_opt.masters() if p.grad is not None]
-    return fsdp.clip_grad_norm_(params, max_norm, norm_type)
+    return fsdp_norms.clip_grad_norm_(params, max_norm, norm_type)
 
 
 class _Bucket:
@@ -279,7 +279,7 @@ class FusedStep:
             grads = present_grads(group.model_params)
             if grads:
                 anchor = device if anchor is None else anchor
-                squares.append(fsdp.squared_norm(grads).to(anchor))
+                squares.append(fsdp_norms.squared_norm(grads).to(anchor))
         if anchor is None:
             return torch.zeros((), dtype=torch.float32)
         inv = amp_opt.pending.inv
