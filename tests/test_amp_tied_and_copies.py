@@ -134,8 +134,12 @@ def test_a_state_with_differing_tied_values_takes_the_first_name():
     the dict's order, so such a checkpoint resumes exactly."""
     model, opt = _setup("O2", False)
     value = torch.randn(VOCAB, DIM, generator=torch.Generator().manual_seed(3))
-    model.load_state_dict({"head.weight": value.bfloat16().float(), "embed.weight": value},
-                          strict=False)
+    other = torch.randn(VOCAB, DIM, generator=torch.Generator().manual_seed(4))
+    for later in (value.bfloat16().float(), other):   # an earlier apex_lite's; any other value
+        model.load_state_dict({"embed.weight": value, "head.weight": later}, strict=False)
+        torch.testing.assert_close(_master(opt, model.embed.weight), value, rtol=0, atol=0)
+        torch.testing.assert_close(model.embed.weight, value.bfloat16(), rtol=0, atol=0)
+    model.load_state_dict({"head.weight": other, "embed.weight": value}, strict=False)
     torch.testing.assert_close(_master(opt, model.embed.weight), value, rtol=0, atol=0)
     torch.testing.assert_close(model.embed.weight, value.bfloat16(), rtol=0, atol=0)
 
