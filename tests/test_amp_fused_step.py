@@ -265,13 +265,13 @@ def test_no_host_sync_per_step_and_one_check_one_kernel_call(opt_name, monkeypat
     """Five steps, one of them skipped: no host read on the native backend (the Python
     backend's reference reads found_inf, and Adam's step counts, on the host: that many). No
     unscale pass, no fp32 master gradient; the counters are right when read afterwards."""
-    from apex_lite.amp import optimizer as amp_optimizer
+    from apex_lite.amp import masters as amp_masters
     model = _net()
     model, opt = amp.initialize(model, OPTIMIZERS[opt_name](model.parameters()),
                                 opt_level="O2", verbosity=0, fused_step=True)
     assert amp.default_handle()._run.decides_on_device
     unscales = []
-    monkeypatch.setattr(amp_optimizer, "fused_scale", lambda *a: unscales.append(a))
+    monkeypatch.setattr(amp_masters, "fused_scale", lambda *a: unscales.append(a))
     path = opt._apex_lite_amp.path
     syncs = 0
     for i in range(5):

@@ -349,11 +349,11 @@ def test_delay_overflow_check_defers_the_decision_to_step():
 @pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
 def test_one_host_sync_and_one_fused_call_per_step(level, monkeypatch):
     """The unfused step: one unscale call (O2: and one copy back), one host read."""
-    from apex_lite.amp import optimizer as amp_optimizer
+    from apex_lite.amp import masters as amp_masters
     model, opt = _setup(level, opt_cls=torch.optim.SGD, fused_step=False)
     calls = []
-    real_scale = amp_optimizer.fused_scale
-    monkeypatch.setattr(amp_optimizer, "fused_scale",
+    real_scale = amp_masters.fused_scale
+    monkeypatch.setattr(amp_masters, "fused_scale",
                         lambda *a: calls.append(len(a[0])) or real_scale(*a))
     x, y = batch(0)
     opt.zero_grad()
