@@ -235,19 +235,19 @@ class AmpHandle:
 
     def load_state_dict(self, state_dict) -> None:
         """Load what ``state_dict`` (ours or apex's) wrote; refuses, changing nothing, a state
-        that does not fit this run."""
+        that does not fit this run. A state saved at another opt level loads what carries over
+        (``saved_state.Accepted``)."""
         run = self._run
         if run is None:
             raise RuntimeError("amp.load_state_dict was called before amp.initialize. Call "
-                               "amp.initialize (with the opt level of the saved run) first, then "
-                               "load the model, optimizer and amp states.")
+                               "amp.initialize first (at the saved run's opt level or another), "
+                               "then load the model, optimizer and amp states.")
         if not isinstance(state_dict, dict):
             raise TypeError(f"amp.load_state_dict takes the dict amp.state_dict() returned, got "
                             f"{type(state_dict).__name__}")
         if not run.enabled:
             return
-        saved_state.check_state(run, state_dict, with_masters=True)
-        saved_state.apply_state(run, state_dict)
+        saved_state.load_amp_state(run, state_dict)
 
     # ---- helpers ----------------------------------------------------------------------------
     def loss_scalers(self) -> List[LossScaler]:
