@@ -312,3 +312,97 @@ def fused_lamb_(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs:
     torch._foreach_sub_(p, update)
     torch._foreach_add_(list(steps), 1.0)
     _finish(params, p, model_params)
+
+
+# ---- NovoGrad and Adagrad (csrc/cpu/fused_{novograd,adagrad}.cpp spell out the contract) -----
+# NovoGrad, per parameter: n = ||g||_2 (or max |g| for norm_type 0) of the true gradient g; its
+# second moment v (one fp32 value) becomes n on a count-0 parameter without init_zero, else
+# sqrt(beta2 * (v * v) + (1 - beta2) * (n * n)) (L2) or beta2 * v + (1 - beta2) * n (inf);
+# denom = v * r2 + eps (r1, r2 as Adam's); then per element, beta3 as LAMB's:
+#   reg_inside_moment:  g = g / denom (+ weight_decay * p);  m = beta1 * m + beta3 * g;
+#                       p = p - lr * (m * r1)
+#   otherwise:          m = beta1 * m + beta3 * g;
+#                       p = p - lr * ((m * r1) / denom (+ weight_decay * p))
+# Adagrad, per element: g (+ weight_decay * p unless adagrad_w_mode); h = h + g * g;
+#   update = g / (sqrt(h) + eps) (+ weight_decay * p in adagrad_w_mode); p = p - lr * update.
+
+
+def _grad_norms(g: List[torch.Tensor], norm_type: int) -> torch.Tensor:
+    """fp32 per-tensor norms (0 for an empty tensor, which has no inf norm)."""
+    norms = torch.zeros(len(g), dtype=torch.float32)
+    filled = [i for i, t in enumerate(g) if t.numel() > 0]
+    if filled:
+        order = 2 if norm_type == 2 else float("inf")
+        values = torch._foreach_norm([g[i] for i in filled], order)
+        norms[filled] = torch.stack(values).to(device="cpu", dtype=torch.float32)
+    return norms
+
+
+def fused_novograd_(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors,
+                    model_params: Tensors, steps: Tensors, inv_scale: torch.Tensor,
+                    found_inf: torch.Tensor, lr: float, beta1: float, beta2: float, eps: float,
+                    weight_decay: float, bias_correction: bool, grad_averaging: bool,
+                    reg_inside_moment: bool, norm_type: int, init_zero: bool) -> None:
+    if norm_type not in (0, 2):
+        raise RuntimeError(f"apex_lite::fused_novograd_: norm_type is {norm_type}; NovoGrad's "
+                           f"norms are 2 (L2) and 0 (the inf norm)")
+    if not params or _skips(found_inf):
+        return
+    g = _true_grads(grads, inv_scale)
+    p = _fp32_params(params)
+    # The per-tensor scalars, in fp32 on the host (each operation one rounding).
+    n = _grad_norms(g, norm_type)
+    v = torch.cat([t.detach().reshape(1).to(device="cpu", dtype=torch.float32)
+                   for t in exp_avg_sqs])
+    b2 = torch.tensor(beta2, dtype=torch.float32)
+    c2 = torch.tensor(1.0 - beta2, dtype=torch.float32)
+    if norm_type == 2:
+        blended = b2 * (v * v) + c2 * (n * n)
+        blended = _sqrt_fp32([blended])[0]
+    else:
+        blended = b2 * v + c2 * n
+    first = torch.tensor([float(s) == 0.0 and not init_zero for s in steps])
+    v = torch.where(first, n, blended)
+    r1, r2 = _bias_corrections(steps, beta1, beta2, bias_correction)
+    denoms = v * torch.tensor(r2, dtype=torch.float64).float() + \
+        torch.tensor(eps, dtype=torch.float32)
+    denom_list = denoms.tolist()
+    beta3 = 1.0 - beta1 if grad_averaging else 1.0
+    m = list(exp_avgs)
+    if reg_inside_moment:
+        torch._foreach_div_(g, denom_list)
+        if weight_decay != 0.0:
+            g = _plus_scaled(g, weight_decay, p)
+    torch._foreach_mul_(m, beta1)
+    torch._foreach_add_(m, torch._foreach_mul(g, beta3))
+    update = torch._foreach_mul(m, r1)
+    if not reg_inside_moment:
+        torch._foreach_div_(update, denom_list)
+        if weight_decay != 0.0:
+            update = _plus_scaled(update, weight_decay, p)
+    torch._foreach_sub_(p, torch._foreach_mul(update, lr))
+    for t, value in zip(exp_avg_sqs, v.tolist()):
+        t.fill_(value)
+    torch._foreach_add_(list(steps), 1.0)
+    _finish(params, p, model_params)
+
+
+def fused_adagrad_(params: Tensors, grads: Tensors, sums: Tensors, model_params: Tensors,
+                   steps: Tensors, inv_scale: torch.Tensor, found_inf: torch.Tensor, lr: float,
+                   eps: float, weight_decay: float, adagrad_w_mode: bool) -> None:
+    if not params or _skips(found_inf):
+        return
+    g = _true_grads(grads, inv_scale)
+    p = _fp32_params(params)
+    if weight_decay != 0.0 and not adagrad_w_mode:
+        g = _plus_scaled(g, weight_decay, p)
+    h = list(sums)
+    torch._foreach_add_(h, torch._foreach_mul(g, g))
+    denom = _sqrt_fp32(h)
+    torch._foreach_add_(denom, eps)
+    update = torch._foreach_div(g, denom)
+    if weight_decay != 0.0 and adagrad_w_mode:
+        update = _plus_scaled(update, weight_decay, p)
+    torch._foreach_sub_(p, torch._foreach_mul(update, lr))
+    torch._foreach_add_(list(steps), 1.0)
+    _finish(params, p, model_params)
