@@ -455,11 +455,17 @@ def _apex_novograd_step(params, exp_avgs, norms, group, step):
     return norms
 
 
-@pytest.mark.parametrize("case", ["novograd", "novograd-inf"])
+AMP_C_NOVOGRAD = {
+    "l2": CASES["novograd"], "inf": CASES["novograd-inf"],
+    "init-zero": lambda ps: FusedNovoGrad(ps, lr=1e-2, init_zero=True, betas=(0.9, 0.5)),
+}
+
+
+@pytest.mark.parametrize("case", list(AMP_C_NOVOGRAD))
 def test_amp_c_novograd_steps_as_fused_novograd(case):
     params = make_params()
     ours, theirs = copies(params), copies(params)
-    opt = CASES[case](ours)
+    opt = AMP_C_NOVOGRAD[case](ours)
     group = opt.param_groups[0]
     exp_avgs = [torch.zeros_like(p) for p in theirs]
     norms = None
