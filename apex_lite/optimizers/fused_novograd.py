@@ -105,6 +105,7 @@ class NovoGradUpdate(FusedUpdate):
 
     kind = "novograd"
     needs_whole_parameters = True   # the per-layer norm of each parameter's gradient
+    whole_norm = "its gradient norm per layer"
 
     def _state_lists(self, params: List[torch.Tensor], state, hyper: NovoGradHyper) -> tuple:
         return novograd_lists(self, params, state)
