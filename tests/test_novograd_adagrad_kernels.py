@@ -387,3 +387,19 @@ def test_bad_arguments_raise_and_change_nothing(backend, device, kind, change, m
                  torch.zeros(1))
     for actual, saved in zip(watched, before):
         assert_bits(actual, saved)
+
+
+@pytest.mark.parametrize("flag", [0.0, 1.0])
+@pytest.mark.parametrize("kind", KINDS)
+def test_python_reference_reads_nothing_on_the_host(kind, flag):
+    """found_inf, the step counts and NovoGrad's norms stay on the device (a read is a sync on
+    CUDA): no value is read on the host, whether the step is taken or skipped."""
+    from amp_helpers import CountSyncs
+    call = make_call(kind, [555, 0, CHUNK + 1], "mixed", "cpu")
+    before = {key: [t.clone() for t in tensors] for key, tensors in call.items()}
+    o = dict(HYPER[kind], **KIND_OPTIONS[kind])
+    with CountSyncs() as syncs:
+        run_step(kind, _python, call, o, torch.ones(1), torch.full((1,), flag))
+    assert syncs.count == 0
+    changed = any(not torch.equal(a, b) for key in call for a, b in zip(call[key], before[key]))
+    assert changed == (flag == 0.0)
