@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from apex_lite import amp
-from apex_lite import apex_multi_tensor as amp_C
+from apex_lite.apex_compat import multi_tensor as amp_C
 from apex_lite.optimizers import FusedAdagrad, FusedNovoGrad, fusable
 from test_fused_optimizers import (SHAPES, assert_bitwise, assert_params_close,
                                    assert_unchanged, backward_with_grads, copies, grads_for,
