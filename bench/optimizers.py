@@ -21,6 +21,14 @@ Workloads: 25M fp32 parameters in 200 tensors, and 4000 tensors of 2500 elements
                                the bf16 parameters: the global gradient norm, the group's count,
                                then fused_lamb_mp_ on its own fp32 masters, bf16 parameters out
                                (the O2 layout, so shown against the AdamW O2 floor)
+  adagrad foreach, fused       torch.optim.Adagrad(foreach=True / fused=True).step() (fused: CPU)
+  adagrad ours                 apex_lite's AdagradUpdate, the update FusedAdagrad and amp's O2
+                               step make: fp32 grads read from the params' .grad
+  novograd ours                apex_lite's NovoGradUpdate (L2 per-layer norms) on fp32 params;
+                               torch has no NovoGrad: against its floor only
+  O2 novograd ours             NovoGradUpdate in amp's O2 form (bf16 grads and model, fp32
+                               masters); NovoGrad's step reads the gradients twice (the norms,
+                               then the update), so it cannot reach its one-pass floor
 "ours" runs on apex_lite's backend for the device (native when the extension is built). The
 update builds its lists once; on the native backend it hands them to C++ at its second step
 (csrc/held_lists.cpp) and its later steps pass no list through Python.
@@ -33,7 +41,9 @@ parameter: SGD with momentum 20 (grad 4 read, param 8 and buffer 8 read and writ
 state 16, bf16 model 2 written). The steps read a little more than they write (AdamW fp32 reads
 16 bytes per parameter and writes 12), and O2 writes its model parameters to other lines than it
 reads (a copy into a separate buffer, ``dst.copy_(src)``, runs at about 2/3 of the in-place
-rate here, so it is no floor).
+rate here, so it is no floor). Adagrad 20 (grad 4, param 8, sum 8), NovoGrad 20 (grad 4, param 8,
+exp_avg 8; its per-parameter norm is one value), NovoGrad O2 20 (bf16 grad 2, master 8, exp_avg
+8, bf16 model 2).
 
 Every repetition runs each variant once, in a shuffled order; the table shows medians and the first
 repetition (warm-up, state allocation) is dropped. GB/s is the ideal step's bytes over the time.
@@ -54,8 +64,9 @@ from typing import Callable, Dict, List, Tuple
 import torch
 
 from apex_lite.multi_tensor import _backend
-from apex_lite.optimizers import (AdamHyper, AdamUpdate, FusedMixedPrecisionLamb, SGDHyper,
-                                  SGDUpdate)
+from apex_lite.optimizers import (AdagradHyper, AdagradUpdate, AdamHyper, AdamUpdate,
+                                  FusedMixedPrecisionLamb, NovoGradHyper, NovoGradUpdate,
+                                  SGDHyper, SGDUpdate)
 from kernels import split_sizes, timed
 
 # (title, total parameters, tensors) per workload; the smoke sizes keep the shapes' character.
@@ -70,6 +81,12 @@ FLOOR_OF = {"sgd foreach": "sgd", "sgd fused": "sgd", "sgd ours": "sgd",
             "O2 adamw ours, lists": "O2 adamw", "O2 lamb ours": "O2 adamw"}
 FLOOR_OF["mp lamb ours"] = "O2 adamw"     # issue 27
 LR, MOMENTUM, WEIGHT_DECAY, BETAS, EPS = 1e-3, 0.9, 1e-2, (0.9, 0.999), 1e-8
+
+# ---- Adagrad and NovoGrad rows ----
+BYTES_PER_PARAM.update({"adagrad": 20, "novograd": 20, "O2 novograd": 20})
+FLOOR_OF.update({"adagrad foreach": "adagrad", "adagrad fused": "adagrad",
+                 "adagrad ours": "adagrad", "novograd ours": "novograd",
+                 "O2 novograd ours": "O2 novograd"})
 INV_SCALE = 2.0 ** -16
 
 
@@ -187,7 +204,38 @@ def make_workload(total: int, count: int, device, ops) -> Dict[str, Callable[[],
     variants["mp lamb ours"] = mp_lamb.step
     # ---- end issue 27 ----
 
+    variants.update(_adagrad_novograd_variants(params, plain_masters, half_params, device))
     variants.update(_floors(total, device))
+    return variants
+
+
+def _adagrad_novograd_variants(params, masters, half_params, device
+                               ) -> Dict[str, Callable[[], None]]:
+    """The Adagrad and NovoGrad rows over make_workload's tensors (each with its own state)."""
+    found_inf = torch.zeros(1, device=device)
+    one = torch.ones(1, device=device)
+    inv_scale = torch.full((1,), INV_SCALE, device=device)
+    variants: Dict[str, Callable[[], None]] = {}
+    for flavour in ("foreach", "fused"):
+        if flavour == "fused" and device.type != "cpu":
+            variants["adagrad fused"] = lambda: None   # torch's fused Adagrad is CPU only
+            continue
+        variants[f"adagrad {flavour}"] = torch.optim.Adagrad(
+            params, lr=LR, weight_decay=WEIGHT_DECAY, **{flavour: True}).step
+    adagrad_update, adagrad_state = AdagradUpdate(params), {}
+    adagrad_hyper = AdagradHyper(LR, 1e-10, WEIGHT_DECAY, adagrad_w_mode=False)
+    variants["adagrad ours"] = lambda: adagrad_update(adagrad_state, one, found_inf,
+                                                      adagrad_hyper)
+    novograd_hyper = NovoGradHyper(LR, 0.95, 0.98, EPS, WEIGHT_DECAY, bias_correction=True,
+                                   grad_averaging=True, reg_inside_moment=False, norm_type=2,
+                                   init_zero=False)
+    novograd_update, novograd_state = NovoGradUpdate(params), {}
+    variants["novograd ours"] = lambda: novograd_update(novograd_state, one, found_inf,
+                                                        novograd_hyper)
+    o2_update = NovoGradUpdate(masters, grad_sources=half_params, model_params=half_params)
+    o2_state: dict = {}
+    variants["O2 novograd ours"] = lambda: o2_update(o2_state, inv_scale, found_inf,
+                                                     novograd_hyper)
     return variants
 
 
@@ -274,7 +322,23 @@ def main(argv=None) -> int:
         ratios, _ = results[2]
         print(f"target: O2 adamw ours <= 1.6x its floor ({workloads[2][0]}): "
               f"{ratios['O2 adamw ours']:.2f} {_verdict(ratios['O2 adamw ours'], 1.6)}")
+    _report_adagrad_novograd(results, workloads, device.type == "cpu")
     return 0
+
+
+def _report_adagrad_novograd(results, workloads, cpu: bool) -> None:
+    """Adagrad against torch's foreach (and fused, on the CPU) Adagrad; NovoGrad against its
+    floor (ratios, no targets)."""
+    for index, (ratios, medians) in sorted(results.items()):
+        title = workloads[index][0]
+        line = (f"adagrad ours / torch Adagrad(foreach=True) ({title}): "
+                f"{medians['adagrad ours'] / medians['adagrad foreach']:.2f}")
+        if cpu:
+            line += (f"; / Adagrad(fused=True): "
+                     f"{medians['adagrad ours'] / medians['adagrad fused']:.2f}")
+        print(line)
+        print(f"novograd ours x its floor ({title}): {ratios['novograd ours']:.2f}; "
+              f"O2 novograd ours: {ratios['O2 novograd ours']:.2f}")
 
 
 if __name__ == "__main__":

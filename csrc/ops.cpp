@@ -63,4 +63,23 @@ TORCH_LIBRARY(apex_lite, m) {
         "float eps, float weight_decay, bool adam_w_mode, bool bias_correction, "
         "bool grad_averaging, float max_grad_norm, bool use_nvlamb) -> ()");
   // ---- end fused_lamb_mp_ ----
+
+  // ---- NovoGrad and Adagrad (apex's FusedNovoGrad, FusedAdagrad) ----
+  // NovoGrad: exp_avg_sqs[i] is the parameter's second moment, one fp32 value (1-element
+  // tensor): the blended norm of its true gradient (norm_type 2: sqrt(beta2 * v * v +
+  // (1 - beta2) * n * n); norm_type 0, the inf norm: beta2 * v + (1 - beta2) * n; the first step
+  // of a count-0 parameter without init_zero takes v = n). reg_inside_moment: the gradient is
+  // normalised (and decayed) before the first moment, else the update is. steps as Adam's.
+  m.def("fused_novograd_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
+        "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] model_params, Tensor(e!)[] steps, "
+        "Tensor inv_scale, Tensor found_inf, float lr, float beta1, float beta2, float eps, "
+        "float weight_decay, bool bias_correction, bool grad_averaging, "
+        "bool reg_inside_moment, int norm_type, bool init_zero) -> ()");
+  // Adagrad (apex's; torch.optim.Adagrad without lr_decay): sums[i] the running sum of squared
+  // gradients (fp32, shaped like the parameter); adagrad_w_mode: decoupled weight decay;
+  // steps[i] counted as Adam's (torch's Adagrad keeps it; the update does not read it).
+  m.def("fused_adagrad_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] sums, "
+        "Tensor(c!)[] model_params, Tensor(d!)[] steps, Tensor inv_scale, Tensor found_inf, "
+        "float lr, float eps, float weight_decay, bool adagrad_w_mode) -> ()");
+  // ---- end NovoGrad and Adagrad ----
 }

@@ -485,9 +485,9 @@ def test_bad_calls_are_named(device, case):
 
 
 def test_ops_apex_has_and_apex_lite_does_not_are_named():
-    with pytest.raises(AttributeError, match="amp_C.multi_tensor_novograd is not provided by "
-                       "apex_lite, whose amp_C has multi_tensor_scale, multi_tensor_axpby"):
-        amp_C.multi_tensor_novograd
+    with pytest.raises(AttributeError, match="amp_C.multi_tensor_l2norm_scale is not provided "
+                       "by apex_lite, whose amp_C has multi_tensor_scale, multi_tensor_axpby"):
+        amp_C.multi_tensor_l2norm_scale
     with pytest.raises(AttributeError, match="use apex_lite.optimizers.FusedAdam"):
         amp_C.multi_tensor_adam_capturable
     assert not hasattr(amp_C, "multi_tensor_l2norm_scale")

@@ -224,6 +224,8 @@ def test_batchnorm_kept_fp32_in_units_of_its_own(runs, path):
                                 "keep_batchnorm_fp32=False"]),
     ("lamb", ["FusedLAMB", "whole norm", "FusedAdam or torch.optim.AdamW"]),
     ("lamb_without_amp", ["DTensors", "whole norm"]),
+    ("novograd", ["FusedNovoGrad", "per-layer gradient norm", "FusedAdam or torch.optim.AdamW"]),
+    ("novograd_without_amp", ["DTensors", "whole norm"]),
 ])
 def test_refusals_name_the_problem_and_the_fix(runs, key, expected):
     for result in runs["main"]:

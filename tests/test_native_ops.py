@@ -69,6 +69,13 @@ def _fused_args(name, found_inf):
     if name == "fused_sgd_":
         return (params, grads, state, models, inv_scale, found_inf, 0.1, 0.9, 0.0, 1e-2, True,
                 False, False)
+    if name == "fused_novograd_":
+        norms = [torch.rand(1), torch.rand(()), torch.rand(1)]
+        return (params, grads, state, norms, models, steps, inv_scale, found_inf, 1e-3, 0.95,
+                0.98, 1e-8, 1e-2, True, True, False, 2, False)
+    if name == "fused_adagrad_":
+        return (params, grads, state, models, steps, inv_scale, found_inf, 1e-2, 1e-10, 1e-2,
+                True)
     exp_avg_sqs = [torch.rand(p.shape) for p in params]
     if name == "fused_adam_":
         return (params, grads, state, exp_avg_sqs, models, steps, inv_scale, found_inf, 1e-3, 0.9,
@@ -77,7 +84,9 @@ def _fused_args(name, found_inf):
             torch.full((1,), 3.0), 1e-3, 0.9, 0.999, 1e-6, 1e-2, True, True, True, 1.0, False)
 
 
-FUSED_OPS = ["fused_sgd_", "fused_adam_", "fused_lamb_"]
+FUSED_OPS = ["fused_sgd_", "fused_adam_", "fused_lamb_", "fused_novograd_", "fused_adagrad_"]
+# Where found_inf is among each op's arguments.
+FOUND_INF_INDEX = {"fused_sgd_": 5, "fused_adagrad_": 6}
 
 
 @pytest.mark.parametrize("name", FUSED_OPS)
@@ -108,7 +117,7 @@ def test_torch_compile_traces_a_fused_step(ops, name):
                 torch.testing.assert_close(y, x, rtol=0, atol=0)
     skipped = [[t.clone() for t in a] if isinstance(a, list) else a for a in compiled_args]
     compiled_args = list(compiled_args)
-    compiled_args[7 if name != "fused_sgd_" else 5] = torch.ones(1)
+    compiled_args[FOUND_INF_INDEX.get(name, 7)] = torch.ones(1)
     compiled(*compiled_args)
     for a, b in zip(skipped, compiled_args):
         if isinstance(a, list):

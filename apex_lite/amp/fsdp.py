@@ -45,8 +45,9 @@ How the opt levels run on FSDP2 (decided here, and why):
 - The overflow flag is all-reduced (MAX) over the process group of the parameters' device mesh,
   so every rank skips or steps together. Norms for clipping sum the local shards' squares over
   the mesh. The kernels run on local shards (``local_shards``).
-- ``FusedLAMB`` is refused on sharded parameters: its trust ratio needs each parameter's whole
-  norm, which a shard-local kernel does not see.
+- ``FusedLAMB`` and ``FusedNovoGrad`` are refused on sharded parameters: LAMB's trust ratio and
+  NovoGrad's per-layer gradient norm need each parameter's whole norm, which a shard-local
+  kernel does not see.
 
 What amp cannot see under FSDP2: a ``loss.backward()`` outside ``scale_loss`` after the
 block's own backward and before ``step()``. FSDP2 writes the gradient shards itself, so the
@@ -63,6 +64,7 @@ import torch
 import torch.distributed as dist
 
 from ..optimizers.fused_lamb import FusedLAMB
+from ..optimizers.fused_novograd import FusedNovoGrad
 from ..optimizers.update import dtensor_class, local_shards
 from . import casting
 from .opt_levels import HALF_DTYPES
@@ -210,7 +212,7 @@ class Sharding:
     def check_optimizers(self, optimizers: Sequence[torch.optim.Optimizer],
                          model_params: set) -> None:
         """Raise for an optimizer built before ``fully_shard`` (it holds the tensors the model
-        had then) and for FusedLAMB on shards."""
+        had then) and for FusedLAMB and FusedNovoGrad on shards."""
         for i, opt in enumerate(optimizers):
             params = [p for group in opt.param_groups for p in group["params"]]
             stale = next((p for p in params if id(p) not in model_params
@@ -223,11 +225,14 @@ class Sharding:
                     f"build the model; fully_shard each block, then the root; optimizer = "
                     f"torch.optim.AdamW(model.parameters(), ...); then model, optimizer = "
                     f"amp.initialize(model, optimizer, ...).")
-            if isinstance(opt, FusedLAMB) and any(is_sharded(p) for p in params):
+            if isinstance(opt, (FusedLAMB, FusedNovoGrad)) and \
+                    any(is_sharded(p) for p in params):
+                what = "trust ratio" if isinstance(opt, FusedLAMB) else "per-layer gradient norm"
                 raise ValueError(
-                    f"optimizer {i} is FusedLAMB over parameters sharded by fully_shard; its "
-                    f"trust ratio needs each parameter's whole norm, which a shard-local kernel "
-                    f"cannot compute. Use FusedAdam or torch.optim.AdamW on a sharded model.")
+                    f"optimizer {i} is {type(opt).__name__} over parameters sharded by "
+                    f"fully_shard; its {what} needs each parameter's whole norm, which a "
+                    f"shard-local kernel cannot compute. Use FusedAdam or torch.optim.AdamW on "
+                    f"a sharded model.")
 
     def _model_label(self, index: int) -> str:
         return "model" if self.model_count == 1 else f"models[{index}]"

@@ -20,7 +20,8 @@ in apex (any integer, bool or float dtype is accepted). Where an op sets it (sca
 l2norm set it to 1 when they meet inf or NaN, and never write 0), an fp32 copy is made on the
 device, handed to the kernel as its ``found_inf`` flag and copied back: two small device ops, no
 host sync; an fp32 flag is used in place. ``multi_tensor_sgd`` reads it (a set flag: nothing is
-written); ``multi_tensor_adam`` and ``multi_tensor_lamb`` ignore it, as apex's kernels do. The
+written); ``multi_tensor_adam``, ``multi_tensor_lamb``, ``multi_tensor_novograd`` and
+``multi_tensor_adagrad`` ignore it, as apex's kernels do. The
 one host read left is the Python backend's: its optimizer steps read the flag and the step
 counts on the host, a sync on a CUDA device served without native kernels (the native kernels
 read them on the device).
@@ -420,6 +421,63 @@ def multi_tensor_lamb_mp(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, 
     op = "multi_tensor_lamb_mp"
     names = ["grads", "params", "exp_avgs", "exp_avg_sqs", "model_params"]
     lists = _lists(op, tensor_lists, [", ".join(names[:4]), ", ".join(names)])
+# ---- NovoGrad and Adagrad ---------------------------------------------------------------------
+
+def multi_tensor_novograd(chunk_size, noop_flag, tensor_lists, grad_norms, lr, beta1, beta2,
+                          epsilon, step, bias_correction, weight_decay, grad_averaging,
+                          moment_mode, norm_type) -> None:
+    """apex's ``amp_C.multi_tensor_novograd`` (apex's FusedNovoGrad): lists ``[grads, params,
+    exp_avgs]``; ``grad_norms`` the fp32 tensor of one blended gradient norm per parameter,
+    updated in place (``norm_type`` 2: ``sqrt(beta2 * v**2 + (1 - beta2) * n**2)``; 0, the inf
+    norm: ``beta2 * v + (1 - beta2) * n``: apex's FusedNovoGrad fills it with the first step's
+    norms itself unless ``init_zero``); ``step`` the number of the step being taken;
+    ``moment_mode`` 0 normalises and decays the gradient inside the moment, 1 the update.
+    ``noop_flag`` is not read, as in apex. The update is apex's in fp32 (the norms accumulated
+    in fp32 in an order of their own), each tensor rounded once; half moments are updated in fp32
+    and rounded once."""
+    op = "multi_tensor_novograd"
+    names = ["grads", "params", "exp_avgs"]
+    lists = _lists(op, tensor_lists, [", ".join(names)])
+    _check_aligned(op, names, lists)
+    if moment_mode not in (0, 1):
+        raise ValueError(f"amp_C.{op}: moment_mode={moment_mode!r}; apex's modes are 0 "
+                         f"(regularisation inside the moment) and 1 (decoupled)")
+    if norm_type not in (0, 2):
+        raise ValueError(f"amp_C.{op}: norm_type={norm_type!r}; apex's norms are 2 (L2) and 0 "
+                         f"(the inf norm)")
+    grads, params, exp_avgs = lists
+    if not params:
+        return
+    device = params[0].device
+    _check_noop(op, noop_flag, device)
+    if not isinstance(grad_norms, torch.Tensor) or grad_norms.numel() != len(params) \
+            or grad_norms.device != device or not grad_norms.is_floating_point():
+        raise TypeError(f"amp_C.{op}: grad_norms must be a floating tensor on {device} with one "
+                        f"norm per parameter ({len(params)}), as apex's FusedNovoGrad keeps it")
+    norms = grad_norms.detach().reshape(-1)
+    staged_norms = norms if norms.dtype == torch.float32 and norms.is_contiguous() \
+        else norms.to(torch.float32).contiguous()
+    steps = _step_counts(op, step, len(params), device)
+    m = _fp32_state(exp_avgs)
+    inv_scale, found_inf = unit_scalars(device)   # apex's kernel reads neither
+    ops_for(device).fused_novograd_(
+        params, grads, m, list(staged_norms.unbind(0)), [], steps, inv_scale, found_inf,
+        _number(op, "lr", lr), float(beta1), float(beta2), float(epsilon), float(weight_decay),
+        bool(bias_correction), bool(grad_averaging), moment_mode == 0, int(norm_type), True)
+    _write_back(exp_avgs, m)
+    if staged_norms is not norms:
+        norms.copy_(staged_norms)
+
+
+def multi_tensor_adagrad(chunk_size, noop_flag, tensor_lists, lr, epsilon, mode,
+                         weight_decay) -> None:
+    """apex's ``amp_C.multi_tensor_adagrad`` (apex's FusedAdagrad): lists ``[grads, params,
+    sums]``; ``mode`` 0 adds the weight decay to the gradient (L2), 1 to the update (decoupled).
+    ``noop_flag`` is not read, as in apex. The update is apex's in fp32, each tensor rounded
+    once; half sums are updated in fp32 and rounded once."""
+    op = "multi_tensor_adagrad"
+    names = ["grads", "params", "sums"]
+    lists = _lists(op, tensor_lists, [", ".join(names)])
     _check_aligned(op, names, lists)
     if mode not in (0, 1):
         raise ValueError(f"amp_C.{op}: mode={mode!r}; apex's modes are 0 (L2 regularisation) "
@@ -450,3 +508,20 @@ def multi_tensor_lamb_mp(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, 
         _write_back(exp_avg_sqs, v)
 
 # ---- end issue 27 ----
+    grads, params, sums = lists
+    if not params:
+        return
+    device = params[0].device
+    _check_noop(op, noop_flag, device)
+    h = _fp32_state(sums)
+    # The kernels count steps (torch's Adagrad keeps the count); apex's lists have none.
+    steps = list(torch.zeros(len(params), dtype=torch.float32, device=device).unbind(0))
+    inv_scale, found_inf = unit_scalars(device)   # apex's kernel reads neither
+    ops_for(device).fused_adagrad_(params, grads, h, [], steps, inv_scale, found_inf,
+                                   _number(op, "lr", lr), float(epsilon), float(weight_decay),
+                                   mode == 1)
+    _write_back(sums, h)
+
+
+AMP_C_OPS += ("multi_tensor_novograd", "multi_tensor_adagrad")
+__all__ += ["multi_tensor_novograd", "multi_tensor_adagrad"]

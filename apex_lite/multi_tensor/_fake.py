@@ -62,7 +62,8 @@ def register() -> None:
     for name, fn in (("scale_", _scale_), ("scale_out", _scale_out), ("axpby_", _axpby_),
                      ("axpby_out", _axpby_out), ("l2norm", _l2norm),
                      ("nonfinite_flags", _nonfinite_flags), ("fused_sgd_", _fused_step),
-                     ("fused_adam_", _fused_step), ("fused_lamb_", _fused_step)):
+                     ("fused_adam_", _fused_step), ("fused_lamb_", _fused_step),
+                     ("fused_novograd_", _fused_step), ("fused_adagrad_", _fused_step)):
         torch.library.register_fake(f"apex_lite::{name}", fn)
     # ---- issue 27: FusedMixedPrecisionLamb's op ----
     torch.library.register_fake("apex_lite::fused_lamb_mp_", _fused_step)

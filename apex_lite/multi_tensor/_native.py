@@ -19,7 +19,7 @@ from ._backend import _env_flag
 REQUEST_VARS = ("APEX_LITE_JIT", "APEX_LITE_CPP_EXT", "APEX_LITE_CUDA_EXT")
 
 OP_NAMES = ("scale_", "scale_out", "axpby_", "axpby_out", "l2norm", "nonfinite_flags",
-            "fused_sgd_", "fused_adam_", "fused_lamb_")
+            "fused_sgd_", "fused_adam_", "fused_lamb_", "fused_novograd_", "fused_adagrad_")
 # ---- issue 27: FusedMixedPrecisionLamb's op ----
 OP_NAMES += ("fused_lamb_mp_",)
 # ---- end issue 27 ----

@@ -197,3 +197,29 @@ CPU_OPS.fused_lamb_mp_ = _fused_lamb_mp_
 STAGED_OPS.fused_lamb_mp_ = _adam_like(_fused_lamb_mp_)
 STAGED_OPS.fused_lamb_mp_.__doc__ = "LAMB step with lr and step as tensors; see csrc/ops.cpp."
 # ---- end issue 27 ----
+# ---- NovoGrad and Adagrad ----------------------------------------------------------------------
+_fused_novograd_ = torch.ops.apex_lite.fused_novograd_.default
+_fused_adagrad_ = torch.ops.apex_lite.fused_adagrad_.default
+
+# NovoGrad's lists sit where Adam's do (its exp_avg_sqs are 1-element tensors, never staged).
+fused_novograd_ = _adam_like(_fused_novograd_)
+fused_novograd_.__doc__ = "NovoGrad step; see csrc/ops.cpp."
+
+
+def fused_adagrad_(params: Tensors, grads: Tensors, sums: Tensors, model_params: Tensors,
+                   steps: Tensors, *rest) -> None:
+    """Adagrad step; see csrc/ops.cpp."""
+    if all(_contiguous(tensors) for tensors in (params, grads, sums, model_params)):
+        _fused_adagrad_(params, grads, sums, model_params, steps, *rest)
+        return
+    staged = [_read_copies(params), _read_copies(grads), _read_copies(sums),
+              _write_buffers(model_params)]
+    _fused_adagrad_(*staged, steps, *rest)
+    for targets, buffers in zip((params, sums, model_params), (staged[0], staged[2], staged[3])):
+        _copy_back(targets, buffers)
+
+
+CPU_OPS.fused_novograd_ = _fused_novograd_
+CPU_OPS.fused_adagrad_ = _fused_adagrad_
+STAGED_OPS.fused_novograd_ = fused_novograd_
+STAGED_OPS.fused_adagrad_ = fused_adagrad_

@@ -336,3 +336,131 @@ def fused_lamb_(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs:
     torch._foreach_sub_(p, update)
     torch._foreach_add_(list(steps), 1.0)
     _finish(params, p, model_params)
+
+
+# ---- NovoGrad and Adagrad (csrc/cpu/fused_{novograd,adagrad}.cpp spell out the contract) -----
+# NovoGrad, per parameter: n = ||g||_2 (or max |g| for norm_type 0) of the true gradient g; its
+# second moment v (one fp32 value) becomes n on a count-0 parameter without init_zero, else
+# sqrt(beta2 * (v * v) + (1 - beta2) * (n * n)) (L2) or beta2 * v + (1 - beta2) * n (inf);
+# denom = v * r2 + eps (r1, r2 as Adam's); then per element, beta3 as LAMB's:
+#   reg_inside_moment:  g = g / denom (+ weight_decay * p);  m = beta1 * m + beta3 * g;
+#                       p = p - lr * (m * r1)
+#   otherwise:          m = beta1 * m + beta3 * g;
+#                       p = p - lr * ((m * r1) / denom (+ weight_decay * p))
+# Adagrad, per element: g (+ weight_decay * p unless adagrad_w_mode); h = h + g * g;
+#   update = g / (sqrt(h) + eps) (+ weight_decay * p in adagrad_w_mode); p = p - lr * update.
+#
+# Neither reads anything on the host (found_inf, the step counts and the norms stay on the
+# device): every new value is computed into a temporary, and _write_unless_skipped writes them
+# all at the end where found_inf is 0.
+
+_Writes = List[Tuple[Tensors, Sequence[torch.Tensor]]]
+
+
+def _write_unless_skipped(writes: _Writes, found_inf: torch.Tensor) -> None:
+    """``targets[i] = round(values[i])`` for each ``(targets, values)`` where ``found_inf`` is 0,
+    all unchanged otherwise (no host read)."""
+    keep = found_inf.reshape(()) == 0
+    for targets, values in writes:
+        for target, value in zip(targets, values):
+            target.copy_(torch.where(keep, value, target))
+
+
+def _counts(steps: Tensors) -> torch.Tensor:
+    """The step counts as one fp32 tensor on their device."""
+    return torch.stack([s.reshape(()) for s in steps]).to(torch.float32)
+
+
+def _bias_correction_tensors(counts: torch.Tensor, beta1: float, beta2: float
+                             ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """fp32 r1 = 1 / (1 - beta1**c) and r2 = 1 / sqrt(1 - beta2**c) for c = counts + 1, each in
+    double then rounded once. Through a strided view the CPU kernel takes C's pow (as the native
+    kernels' std::pow), where a contiguous tensor takes a vector pow up to an ulp off in double."""
+    c = counts.to(torch.float64) + 1.0
+    c = torch.stack([c, c], dim=1)[:, 0]
+    r1 = torch.reciprocal(1.0 - torch.pow(beta1, c)).to(torch.float32)
+    r2 = torch.reciprocal(torch.sqrt(1.0 - torch.pow(beta2, c))).to(torch.float32)
+    return r1, r2
+
+
+def _grad_norms(g: List[torch.Tensor], norm_type: int) -> torch.Tensor:
+    """fp32 per-tensor norms on the tensors' device (0 for an empty tensor, which has no inf
+    norm)."""
+    filled = [t for t in g if t.numel() > 0]
+    norms = iter(torch._foreach_norm(filled, 2 if norm_type == 2 else float("inf"))
+                 if filled else ())
+    zero = torch.zeros((), dtype=torch.float32, device=g[0].device)
+    return torch.stack([next(norms).float() if t.numel() > 0 else zero for t in g])
+
+
+def fused_novograd_(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors,
+                    model_params: Tensors, steps: Tensors, inv_scale: torch.Tensor,
+                    found_inf: torch.Tensor, lr: float, beta1: float, beta2: float, eps: float,
+                    weight_decay: float, bias_correction: bool, grad_averaging: bool,
+                    reg_inside_moment: bool, norm_type: int, init_zero: bool) -> None:
+    if norm_type not in (0, 2):
+        raise RuntimeError(f"apex_lite::fused_novograd_: norm_type is {norm_type}; NovoGrad's "
+                           f"norms are 2 (L2) and 0 (the inf norm)")
+    if not params:
+        return
+    g = _true_grads(grads, inv_scale)
+    p = _fp32_params(params)
+    # The per-tensor scalars as fp32 tensors on the device (each operation one rounding).
+    n = _grad_norms(g, norm_type)
+    v = torch.stack([t.reshape(()) for t in exp_avg_sqs])
+    b2, c2, eps32 = (torch.tensor(x, dtype=torch.float32, device=v.device)
+                     for x in (beta2, 1.0 - beta2, eps))
+    if norm_type == 2:   # the root in double, rounded once (as _sqrt_fp32)
+        blended = (b2 * (v * v) + c2 * (n * n)).to(torch.float64).sqrt().to(torch.float32)
+    else:
+        blended = b2 * v + c2 * n
+    counts = _counts(steps)
+    first = torch.zeros_like(counts, dtype=torch.bool) if init_zero else counts == 0
+    v = torch.where(first, n, blended)
+    if bias_correction:
+        r1, r2 = _bias_correction_tensors(counts, beta1, beta2)
+        denoms = v * r2 + eps32
+    else:
+        r1 = torch.ones_like(v)
+        denoms = v + eps32
+    denom_list, r1_list = list(denoms.unbind()), list(r1.unbind())
+    beta3 = 1.0 - beta1 if grad_averaging else 1.0
+    if reg_inside_moment:
+        g = torch._foreach_div(g, denom_list)
+        if weight_decay != 0.0:
+            g = _plus_scaled(g, weight_decay, p)
+    m = torch._foreach_mul(list(exp_avgs), beta1)
+    torch._foreach_add_(m, torch._foreach_mul(g, beta3))
+    update = torch._foreach_mul(m, r1_list)
+    if not reg_inside_moment:
+        torch._foreach_div_(update, denom_list)
+        if weight_decay != 0.0:
+            update = _plus_scaled(update, weight_decay, p)
+    p = torch._foreach_sub(p, torch._foreach_mul(update, lr))
+    writes: _Writes = [(exp_avgs, m), (exp_avg_sqs, list(v.unbind())),
+                       (steps, torch._foreach_add(list(steps), 1.0)), (params, p)]
+    if model_params:
+        writes.append((model_params, p))
+    _write_unless_skipped(writes, found_inf)
+
+
+def fused_adagrad_(params: Tensors, grads: Tensors, sums: Tensors, model_params: Tensors,
+                   steps: Tensors, inv_scale: torch.Tensor, found_inf: torch.Tensor, lr: float,
+                   eps: float, weight_decay: float, adagrad_w_mode: bool) -> None:
+    if not params:
+        return
+    g = _true_grads(grads, inv_scale)
+    p = _fp32_params(params)
+    if weight_decay != 0.0 and not adagrad_w_mode:
+        g = _plus_scaled(g, weight_decay, p)
+    h = torch._foreach_add(list(sums), torch._foreach_mul(g, g))
+    denom = _sqrt_fp32(h)
+    torch._foreach_add_(denom, eps)
+    update = torch._foreach_div(g, denom)
+    if weight_decay != 0.0 and adagrad_w_mode:
+        update = _plus_scaled(update, weight_decay, p)
+    p = torch._foreach_sub(p, torch._foreach_mul(update, lr))
+    writes: _Writes = [(sums, h), (steps, torch._foreach_add(list(steps), 1.0)), (params, p)]
+    if model_params:
+        writes.append((model_params, p))
+    _write_unless_skipped(writes, found_inf)

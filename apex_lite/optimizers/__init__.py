@@ -1,8 +1,10 @@
-"""apex's fused optimizers: ``FusedSGD``, ``FusedAdam``, ``FusedLAMB``.
+"""apex's fused optimizers: ``FusedSGD``, ``FusedAdam``, ``FusedLAMB``, ``FusedNovoGrad``,
+``FusedAdagrad``.
 
 Ordinary torch optimizers (torch's state layout, LR schedulers, param groups) whose step is one
 multi-tensor op per param group and device, state in fp32 for every parameter dtype. The
-per-device updates they are built from (``SGDUpdate``, ``AdamUpdate``, ``LambUpdate``; see
+per-device updates they are built from (``SGDUpdate``, ``AdamUpdate``, ``LambUpdate``,
+``NovoGradUpdate``, ``AdagradUpdate``; see
 ``apex_lite.optimizers.update``) are what amp's O2 step runs, for these optimizers and for
 torch.optim.SGD / Adam / AdamW (``apex_lite.optimizers.fusable``; amp's step path:
 ``apex_lite.amp.step_path``).
@@ -22,3 +24,9 @@ from .fused_mixed_precision_lamb import (FusedMixedPrecisionLamb, MixedPrecision
 
 __all__ += ["FusedMixedPrecisionLamb", "MixedPrecisionLambHyper", "MixedPrecisionLambUpdate"]
 # ---- end issue 27 ----
+# ---- NovoGrad and Adagrad ----
+from .fused_adagrad import AdagradHyper, AdagradUpdate, FusedAdagrad  # noqa: E402
+from .fused_novograd import FusedNovoGrad, NovoGradHyper, NovoGradUpdate  # noqa: E402
+
+__all__ += ["FusedNovoGrad", "FusedAdagrad", "NovoGradUpdate", "AdagradUpdate", "NovoGradHyper",
+            "AdagradHyper"]

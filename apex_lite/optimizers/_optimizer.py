@@ -1,4 +1,4 @@
-"""What FusedSGD, FusedAdam and FusedLAMB share as torch optimizers: parameter checks, the cached
+"""What the fused optimizers (FusedSGD, FusedAdam, FusedLAMB, ...) share as torch optimizers: parameter checks, the cached
 per-(group, device) updates, GradScaler's hand-over, ``zero_grad``, fp32 state on load."""
 from __future__ import annotations
 

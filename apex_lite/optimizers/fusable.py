@@ -1,9 +1,10 @@
 """Which optimizers' updates the fused ops compute, and with which hyper-parameters (for amp's
 O2 step).
 
-- ``update_class(optimizer)``: ``SGDUpdate``, ``AdamUpdate`` or ``LambUpdate`` for
-  torch.optim.SGD, Adam, AdamW and apex_lite's FusedSGD, FusedAdam, FusedLAMB; None for any other
-  optimizer or option, and then ``unfused_reason(optimizer)`` says why.
+- ``update_class(optimizer)``: ``SGDUpdate``, ``AdamUpdate``, ``LambUpdate``,
+  ``NovoGradUpdate`` or ``AdagradUpdate`` for torch.optim.SGD, Adam, AdamW and apex_lite's
+  FusedSGD, FusedAdam, FusedLAMB, FusedNovoGrad, FusedAdagrad; None for any other optimizer or
+  option, and then ``unfused_reason(optimizer)`` says why.
 - ``hyper_parameters(optimizer, group)``: the group's hyper-parameters as that class takes them
   (torch's names: lr, momentum, dampening, weight_decay, nesterov; betas, eps, weight_decay,
   AdamW / decoupled_weight_decay; torch's Adam always corrects the bias). Read it at every step:
@@ -18,8 +19,10 @@ from typing import Callable, Dict, List, Optional, Type
 
 import torch
 
+from .fused_adagrad import AdagradHyper, AdagradUpdate, FusedAdagrad
 from .fused_adam import AdamHyper, AdamUpdate, FusedAdam
 from .fused_lamb import FusedLAMB, LambHyper, LambUpdate
+from .fused_novograd import FusedNovoGrad, NovoGradHyper, NovoGradUpdate
 from .fused_sgd import FusedSGD, SGDHyper, SGDUpdate
 from .update import FusedUpdate
 
@@ -33,11 +36,13 @@ def _adamw_hyper(group: dict) -> AdamHyper:
 _SERVED: Dict[type, Type[FusedUpdate]] = {
     torch.optim.SGD: SGDUpdate, torch.optim.Adam: AdamUpdate, torch.optim.AdamW: AdamUpdate,
     FusedSGD: SGDUpdate, FusedAdam: AdamUpdate, FusedLAMB: LambUpdate,
+    FusedNovoGrad: NovoGradUpdate, FusedAdagrad: AdagradUpdate,
 }
 _HYPER: Dict[type, Callable[[dict], object]] = {
     torch.optim.SGD: SGDHyper.from_group, torch.optim.Adam: AdamHyper.from_group,
     torch.optim.AdamW: _adamw_hyper, FusedSGD: SGDHyper.from_group,
     FusedAdam: AdamHyper.from_group, FusedLAMB: LambHyper.from_group,
+    FusedNovoGrad: NovoGradHyper.from_group, FusedAdagrad: AdagradHyper.from_group,
 }
 _TORCH_FLAGS = ("maximize", "differentiable", "capturable", "amsgrad")
 
@@ -66,7 +71,8 @@ def unfused_reason(optimizer: torch.optim.Optimizer) -> str:
             return (f"{_name(cls)} subclasses {_name(served)} and may change its update; only "
                     f"the exact classes are fused")
         return (f"{_name(cls)} is not an optimizer the fused ops compute (torch.optim.SGD, "
-                f"Adam, AdamW and apex_lite.optimizers.FusedSGD, FusedAdam, FusedLAMB are)")
+                f"Adam, AdamW and apex_lite.optimizers.FusedSGD, FusedAdam, FusedLAMB, "
+                f"FusedNovoGrad, FusedAdagrad are)")
     for index, group in enumerate(optimizer.param_groups):
         problems = _group_problems(group)
         if problems:
@@ -81,6 +87,6 @@ def update_class(optimizer: torch.optim.Optimizer) -> Optional[Type[FusedUpdate]
 
 
 def hyper_parameters(optimizer: torch.optim.Optimizer, group: dict):
-    """``group``'s hyper-parameters (``SGDHyper``, ``AdamHyper`` or ``LambHyper``) for the
+    """``group``'s hyper-parameters (``SGDHyper``, ``AdamHyper``, ``LambHyper``, ...) for the
     update class of ``optimizer``, which must be served (``update_class`` not None)."""
     return _HYPER[type(optimizer)](group)

@@ -56,6 +56,7 @@ class LambUpdate(FusedUpdate):
 
     kind = "lamb"
     needs_whole_parameters = True   # the trust ratio: ||param|| / ||update|| per parameter
+    whole_norm = "the trust ratio"
 
     @torch.no_grad()
     def __call__(self, state: Dict[torch.Tensor, dict], inv_scale: torch.Tensor,

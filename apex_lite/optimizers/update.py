@@ -135,6 +135,7 @@ class FusedUpdate:
     # Whether the update needs norms of whole parameters (LAMB's trust ratio), which the op
     # cannot compute from FSDP2's shards: such an update refuses DTensor parameters.
     needs_whole_parameters = False
+    whole_norm = ""      # what the whole norm is for, in that update's refusal
 
     def __init__(self, params: Sequence[torch.Tensor],
                  grad_sources: Optional[Sequence[torch.Tensor]] = None,
@@ -151,10 +152,10 @@ class FusedUpdate:
         if self.sharded and self.needs_whole_parameters:
             raise ValueError(
                 f"{self.label}: its parameters are DTensors (sharded by FSDP2's fully_shard), "
-                f"and the {self.kind} update needs each parameter's whole norm (the trust "
-                f"ratio), which the op cannot compute from one rank's shard. Use FusedAdam or "
-                f"torch.optim.AdamW on a sharded model, or train this model without "
-                f"fully_shard.")
+                f"and the {self.kind} update needs each parameter's whole norm ("
+                f"{self.whole_norm}), which the op cannot compute from one rank's shard. Use "
+                f"FusedAdam or torch.optim.AdamW on a sharded model, or train this model "
+                f"without fully_shard.")
         self._check_lists()
         self._plan: Optional[_Plan] = None
         self._plan_state: Optional[dict] = None

@@ -271,7 +271,7 @@ def error_of(fn) -> str:
 def refusals(amp) -> Dict[str, str]:
     """The messages of what amp refuses on FSDP2 (each on fresh models)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from apex_lite.optimizers import FusedLAMB
+    from apex_lite.optimizers import FusedLAMB, FusedNovoGrad
     out = {}
 
     def initialize_then_shard(level):
@@ -336,6 +336,23 @@ def refusals(amp) -> Dict[str, str]:
         F.mse_loss(model(x), y).backward()
         optimizer.step()
     out["lamb_without_amp"] = error_of(lamb_without_amp)
+
+    def novograd():
+        case = Case("novograd", "O2", "nested")
+        model = build(case)
+        shard(model, "nested", policy_for("O2"))
+        optimizer = FusedNovoGrad(model.parameters(), lr=1e-3)
+        initialize(case, amp.AmpHandle(), model, optimizer)
+    out["novograd"] = error_of(novograd)
+
+    def novograd_without_amp():
+        model = build(Case("novograd", "O0", "nested"))
+        fully_shard(model)
+        optimizer = FusedNovoGrad(model.parameters(), lr=1e-3)
+        x, y = batch(0, dist_rank(), dist_world())
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+    out["novograd_without_amp"] = error_of(novograd_without_amp)
     return out
 
 
