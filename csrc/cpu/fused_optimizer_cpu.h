@@ -208,7 +208,9 @@ class PlannedCall {
   // check(): the op's own checks of its lists, which raise the first failure's error and return
   // for a call that is merely non-contiguous; run when the scan finds anything unusual, or at
   // once when scan is false (the caller saw a list-level problem the scan does not look for).
-  // inv_scale and found_inf are checked last either way.
+  // Then, either way, a counted call's step counts are checked to be each parameter's own
+  // (checks::check_own_step_counts, over the addresses the plan read), and inv_scale and
+  // found_inf last.
   template <typename Check>
   PlannedCall(const char* op, const StepLists& lists, const at::Tensor& inv_scale,
               const at::Tensor& found_inf, Planner planner, Check&& check, bool scan = true)
@@ -216,6 +218,11 @@ class PlannedCall {
     if (!scan || !plan_if_plain(lists)) {
       check();
       plan_staged(lists);
+    }
+    if (lists.counted) {
+      checks::check_own_step_counts(op, counts_.size(), [&](size_t i) {
+        return reinterpret_cast<uintptr_t>(counts_[i]);
+      });
     }
     check_scalar_tensor(op, "inv_scale", inv_scale);
     check_found_inf(op, found_inf);
@@ -239,10 +246,11 @@ class PlannedCall {
   // Parameters per task of the parallel scan.
   static constexpr int64_t kScanGrain = 128;
 
-  void resize(size_t n) {
+  void resize(size_t n, bool counted) {
     entries_.resize(n);
     types_.resize(n);
     offsets_.assign(n + 1, 0);
+    counts_.resize(counted ? n : 0);
   }
 
   void sum_offsets() {
@@ -257,7 +265,7 @@ class PlannedCall {
                    (!l.counted || l.steps.size() == n);
     for (size_t s = 0; s < l.state_lists; ++s) lengths = lengths && l.state[s].size() == n;
     if (!lengths) return false;
-    resize(n);
+    resize(n, l.counted);
     std::atomic<bool> passed{true};
     at::parallel_for(0, static_cast<int64_t>(n), kScanGrain, [&](int64_t begin, int64_t end) {
       const size_t last = static_cast<size_t>(end);
@@ -324,6 +332,7 @@ class PlannedCall {
         return false;
       }
       data.count = static_cast<float*>(count);
+      counts_[i] = data.count;
     }
     offsets_[i + 1] = param.numel();
     return true;
@@ -339,6 +348,7 @@ class PlannedCall {
     data.state = {nullptr, nullptr};
     for (size_t s = 0; s < l.state_lists; ++s) data.state[s] = l.state[s][i].data_ptr<float>();
     data.count = l.counted ? l.steps[i].data_ptr<float>() : nullptr;
+    if (l.counted) counts_[i] = data.count;
     types_[i] = StepTypes{l.params[i].scalar_type(), l.grads[i].scalar_type(), model_dtype(model)};
     offsets_[i + 1] = l.params[i].numel();
   }
@@ -357,7 +367,7 @@ class PlannedCall {
     staged.params = written_[0].list();
     staged.models = written_[1].list();
     for (size_t s = 0; s < l.state_lists; ++s) staged.state[s] = written_[2 + s].list();
-    resize(staged.params.size());
+    resize(staged.params.size(), l.counted);
     typename Planner::Cache cache;
     for (size_t i = 0; i < staged.params.size(); ++i) {
       ParamData data;
@@ -393,6 +403,8 @@ class PlannedCall {
   std::vector<Entry> entries_;
   std::vector<StepTypes> types_;
   std::vector<int64_t> offsets_;
+  // Where each parameter's step count is (counted calls; empty otherwise).
+  std::vector<float*> counts_;
   // Stand-ins of the non-contiguous case (empty otherwise): read_ (grads) and written_ (params,
   // model_params, then the state lists).
   std::vector<ContiguousList> read_, written_;
@@ -612,8 +624,8 @@ class AdamCall : public PlannedCall<AdamPlanner> {
                       check_steps(op, steps, params);
                     }) {}
 
-  // steps[i] += 1 in fp32 for every parameter. Every count was read by the scan, so a step tensor
-  // passed for two parameters is read twice, then incremented twice.
+  // steps[i] += 1 in fp32 for every parameter (each its own count: PlannedCall refused shared
+  // ones).
   void count_step() const {
     for (const AdamTensor& t : entries()) *t.count += 1.0f;
   }

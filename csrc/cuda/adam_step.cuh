@@ -2,7 +2,8 @@
 // the multi-tensor functor of each stage, its launcher and the argument checks.
 //
 // Per element, in fp32, each line one correctly rounded operation (no fused multiply-add, whatever
-// -fmad says; __f*_rn), hyper-parameters converted from double to fp32 once on the host:
+// -fmad says; __f*_rn; the sums of squares of LAMB's trust-ratio norms alone use fmaf, see
+// kLambNorms), hyper-parameters converted from double to fp32 once on the host:
 //   g = float(grad) * inv_scale
 //   g = g / clip                                  (LAMB with max_grad_norm > 0: clip = grad_norm /
 //                                                  max_grad_norm when grad_norm > max_grad_norm,
@@ -37,7 +38,9 @@ namespace apex_lite {
 namespace cuda {
 
 // kApply: the moments and the parameter in one pass (Adam; LAMB without trust ratio).
-// kLambNorms: LAMB stage 1, the moments, and per-chunk sums of squares of p and u (never stored).
+// kLambNorms: LAMB stage 1, the moments, and per-chunk sums of squares of p and u (never stored),
+//             accumulated with fmaf (one rounding per term, as l2norm.cu): the norms need not be
+//             bit for bit, and match the other backends within fp32 rounding.
 // kLambApply: LAMB stage 2, u recomputed from the stored m, v and the unchanged p, p updated with
 //             the trust ratio.
 enum class AdamStage { kApply, kLambNorms, kLambApply };
