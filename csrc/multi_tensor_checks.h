@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace apex_lite {
@@ -315,6 +316,54 @@ inline void check_reduction(at::TensorList tensors) {
   if (tensors.empty()) return;
   TORCH_CHECK_TYPE(tensors[0].defined(), "tensors[0] is undefined (None), not a tensor");
   check_tensors(tensors[0].device(), "tensors[0]", {NamedList{"tensors", tensors}});
+}
+
+// ---- step counts (the fused Adam-like optimizer steps) -------------------------------------------
+//
+// Each parameter's step count is an element of its own: a count that two parameters share would
+// advance once per parameter in one step, and their bias corrections would depend on the order in
+// which they are stepped (on CUDA, on which block reads the count after another's increment).
+// Shared means at one address (the same tensor, or views of one element); distinct elements of
+// one buffer are distinct counts (apex_multi_tensor.py passes those). _checks.check_own_step_counts
+// makes the same check for the Python backend.
+
+// Raises the error for steps[j] at the address of the earlier steps[i].
+inline void refuse_shared_step(const char* op, size_t i, size_t j) {
+  TORCH_CHECK_VALUE(false, "apex_lite::", op, ": steps[", j, "] shares its memory with steps[", i,
+                    "]: each parameter needs a step count of its own (a shared count would "
+                    "advance once per parameter in a step, and their bias corrections would "
+                    "depend on the order they are stepped in). Give each parameter its own "
+                    "tensor: torch.zeros((), dtype=torch.float32) per parameter, or a clone() of "
+                    "the shared one.");
+}
+
+// Refuses two of n step counts at one address (address(k): where steps[k]'s element is). Names
+// the lowest j whose address an earlier index holds, and the first index i that holds it, as
+// _checks.check_own_step_counts does. One scan when the addresses rise with the index (counts
+// allocated one after the other, the common case), else a sort.
+template <typename Address>
+inline void check_own_step_counts(const char* op, size_t n, Address&& address) {
+  uintptr_t previous = 0;
+  size_t k = 0;
+  for (; k < n; ++k) {
+    const uintptr_t a = address(k);
+    if (k > 0 && a <= previous) break;
+    previous = a;
+  }
+  if (k == n) return;
+  std::vector<std::pair<uintptr_t, size_t>> sorted(n);
+  for (k = 0; k < n; ++k) sorted[k] = {address(k), k};
+  std::sort(sorted.begin(), sorted.end());
+  // In each run of equal addresses, sorted by index: the run's first two indices.
+  size_t first = n, second = n;
+  for (k = 1; k < n; ++k) {
+    const bool starts_run = k < 2 || sorted[k - 2].first != sorted[k].first;
+    if (sorted[k].first == sorted[k - 1].first && starts_run && sorted[k].second < second) {
+      first = sorted[k - 1].second;
+      second = sorted[k].second;
+    }
+  }
+  if (second < n) refuse_shared_step(op, first, second);
 }
 
 }  // namespace checks

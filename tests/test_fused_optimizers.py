@@ -267,6 +267,24 @@ def test_a_parameter_listed_twice_in_a_group_is_refused():
         FusedAdam([p, p])
 
 
+@pytest.mark.parametrize("cls", [FusedAdam, FusedLAMB], ids=lambda c: c.__name__)
+def test_a_step_count_shared_by_two_parameters_is_refused(cls):
+    """One step tensor in two parameters' state (issue 33) would advance once per parameter and
+    give them bias corrections that depend on the order they are stepped in: refused, naming the
+    fix, before anything changes."""
+    params = make_params()
+    optimizer = cls(params, lr=1e-3)
+    set_grads(params, grads_for(0, SHAPES))
+    optimizer.step()
+    optimizer.state[params[2]]["step"] = optimizer.state[params[0]]["step"]
+    before = snapshot(optimizer, params)
+    set_grads(params, grads_for(1, SHAPES))
+    with pytest.raises(ValueError, match=r"steps\[2\] shares its memory with steps\[0\]: each "
+                                         r"parameter needs a step count of its own.*clone\(\)"):
+        optimizer.step()
+    assert_unchanged(optimizer, params, before)
+
+
 @pytest.mark.parametrize("cls,kwargs,alternative", [
     (FusedAdam, {}, "SparseAdam"), (FusedSGD, {"lr": 0.1}, "SGD"), (FusedLAMB, {}, "SparseAdam"),
 ])

@@ -681,3 +681,65 @@ def test_bad_argument_among_many_tensors(backend, device, kind, index):
                  torch.zeros(1), torch.ones(1))
     for actual, saved in zip(watched, before):
         assert_bits(actual, saved)
+
+
+# --- a step count shared by two parameters (issue 33) ---------------------------------------
+# A count that two parameters share would advance once per parameter in a step, and their bias
+# corrections would depend on the order they are stepped in: both backends refuse it, by
+# address, before anything is written, naming the lowest j whose count an earlier i holds.
+
+def _share(steps, i, j, how):
+    """steps[j] made to share steps[i]'s element."""
+    steps[j] = steps[i] if how == "same tensor" else steps[i].view(steps[i].shape)
+
+
+# (sizes, pairs (i, j): steps[j] shares steps[i]'s element, the pair the error names,
+#  whether the steps are put in falling address order first)
+SHARED_STEP_CASES = {
+    "two of three": ([3, 6, 5], [(0, 2)], (0, 2), False),
+    # Many tensors (the parallel scan's tasks), two shared counts: steps[300] takes steps[400]'s
+    # element, so j = 400 is the lowest index whose address an earlier one (300) holds.
+    "many, two pairs": (MANY_SIZES, [(5, 650), (400, 300)], (300, 400), False),
+    "many, falling addresses": (MANY_SIZES, [(650, 5)], (5, 650), True),
+}
+
+
+@pytest.mark.parametrize("how", ["same tensor", "view of one element"])
+@pytest.mark.parametrize("case", sorted(SHARED_STEP_CASES))
+@pytest.mark.parametrize("kind", ["adam", "lamb"])
+@pytest.mark.parametrize("device", ["cpu"], indirect=True)
+def test_a_shared_step_count_is_refused(backend, device, kind, case, how):
+    sizes, pairs, named, falling = SHARED_STEP_CASES[case]
+    call = _make(kind, sizes, "O2-bf16", "cpu")
+    if falling:   # the counts of one buffer, in falling address order
+        call["steps"] = list(torch.zeros(len(sizes)).unbind(0))[::-1]
+    for i, j in pairs:
+        _share(call["steps"], i, j, how)
+    watched = call["params"] + call[STATE_KEY[kind]] + call["model_params"] + call["steps"]
+    before = [t.clone() for t in watched]
+    o = {**HYPER[kind], **KIND_OPTIONS[kind], "grad_norm": 1.0, "max_grad_norm": 1.0}
+    i, j = named
+    with pytest.raises(ValueError, match=rf"^apex_lite::fused_{kind}_: steps\[{j}\] shares its "
+                                         rf"memory with steps\[{i}\]: each parameter needs a "
+                                         rf"step count of its own .* a clone\(\) of the shared "
+                                         rf"one\.$"):
+        run_step(kind, _backend.ops_for(torch.device("cpu")), call, o, torch.ones(1),
+                 torch.zeros(1), torch.ones(1))
+    for actual, saved in zip(watched, before):
+        assert_bits(actual, saved)
+
+
+@pytest.mark.parametrize("falling", [False, True])
+@pytest.mark.parametrize("kind", ["adam", "lamb"])
+@pytest.mark.parametrize("device", ["cpu"], indirect=True)
+def test_distinct_elements_of_one_buffer_are_distinct_step_counts(backend, device, kind,
+                                                                  falling):
+    """What apex_multi_tensor passes: views of the elements of one buffer, each its own count
+    (in rising address order, and falling: the check's scan and its sort)."""
+    call = _make(kind, MANY_SIZES, "O2-bf16", "cpu", first_step=2.0)
+    counts = list(torch.full((len(MANY_SIZES),), 2.0).unbind(0))
+    call["steps"] = counts[::-1] if falling else counts
+    o = {**HYPER[kind], **KIND_OPTIONS[kind], "grad_norm": 1.0, "max_grad_norm": 1.0}
+    run_step(kind, _backend.ops_for(torch.device("cpu")), call, o, torch.ones(1),
+             torch.zeros(1), torch.ones(1))
+    assert [float(s) for s in call["steps"]] == [3.0] * len(MANY_SIZES)

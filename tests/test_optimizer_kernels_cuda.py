@@ -471,18 +471,25 @@ def _column_major(t):
     return t.t().contiguous().t() if t.dim() == 2 else t
 
 
+@pytest.mark.parametrize("found", (0.0, 1.0), ids=("step", "skip"))
 @pytest.mark.parametrize("kind", KINDS)
-def test_non_contiguous_tensors_through_the_staged_wrapper(kind):
+def test_non_contiguous_tensors_through_the_staged_wrapper(kind, found):
     """apex_lite's CUDA backend (STAGED_OPS) stages non-contiguous tensors through contiguous
-    copies and copies the results back into the caller's tensors."""
+    copies and copies the results back into the caller's tensors; a skipped step leaves them as
+    they were (issue 33: the model parameters were staged in uninitialised buffers)."""
     state = _make_state(((300, 257), (2, 3), (0, 4), (513, 129)), (F32, BF16), (F16,), (BF16,),
                         seed=7)
     on_cuda = _copy(state, DEVICE)
     for name in ("params", "grads", "model_params") + STATE_LISTS[kind]:
         on_cuda[name] = [_column_major(t) for t in on_cuda[name]]
     assert not on_cuda["params"][0].is_contiguous()
-    before, actual, expected = _cuda_and_python(kind, state, on_cuda=on_cuda, ops=STAGED_OPS)
+    before, actual, expected = _cuda_and_python(kind, state, on_cuda=on_cuda, ops=STAGED_OPS,
+                                                found=found)
     _assert_matches(kind, actual, expected, before, step_rtol=STEP_RTOL[kind])
+    if found:
+        for name, tensors in before.items():
+            for t, b in zip(actual[name], tensors):
+                _assert_same_bits(t, b, name)
 
 
 @pytest.mark.parametrize("found", (0.0, 1.0), ids=("step", "skip"))
@@ -578,6 +585,9 @@ def test_refuses_bad_arguments_with_clear_errors():
         adam(steps=[s["steps"][0], torch.zeros(2, device=DEVICE)])
     with pytest.raises(RuntimeError, match=r"model_params has 1 tensors but params has 2"):
         adam(model_params=s["params"][:1])
+    with pytest.raises(ValueError, match=r"fused_adam_: steps\[1\] shares its memory with "
+                                         r"steps\[0\]: each parameter needs a step count"):
+        adam(steps=[s["steps"][0], s["steps"][0].view(s["steps"][0].shape)])
     with pytest.raises(RuntimeError, match=r"params\[0\] has dtype Double"):
         adam(params=[s["params"][0].double(), s["params"][1]])
     with pytest.raises(RuntimeError, match=r"inv_scale must be a 1-element float32 tensor"):

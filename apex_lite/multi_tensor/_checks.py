@@ -168,6 +168,30 @@ def check_no_overlap(outputs: NamedList, *inputs: NamedList) -> None:
         active.append(span)
 
 
+# --- step counts (the fused Adam-like optimizer steps) -------------------------------------------
+
+def check_own_step_counts(op: str, steps: Tensors) -> None:
+    """Refuse a step count shared by two parameters: at one address (the same tensor, or views of
+    one element; distinct elements of one buffer are distinct counts). A shared count would
+    advance once per parameter in a step, and their bias corrections would depend on the order
+    they are stepped in. Names the lowest j whose address an earlier index holds, and the first
+    such index i: the same check, message and pair as csrc/multi_tensor_checks.h's. Reads
+    addresses only (no device work)."""
+    addresses = list(map(_data_ptr, steps))
+    if len(set(addresses)) == len(addresses):
+        return
+    first = {}
+    for j, address in enumerate(addresses):
+        i = first.setdefault(address, j)
+        if i != j:
+            raise ValueError(
+                f"apex_lite::{op}: steps[{j}] shares its memory with steps[{i}]: each parameter "
+                f"needs a step count of its own (a shared count would advance once per parameter "
+                f"in a step, and their bias corrections would depend on the order they are "
+                f"stepped in). Give each parameter its own tensor: torch.zeros((), "
+                f"dtype=torch.float32) per parameter, or a clone() of the shared one.")
+
+
 # --- the checks of each call --------------------------------------------------------------------
 # ``names`` are the arguments' names in the messages: the public API's by default, the op's
 # (csrc/ops.cpp) where an op is checked (the ops' checks below). ``memory=False`` leaves out the overlap rule, for tensors

@@ -10,8 +10,12 @@ Two sets, one per staging policy for non-contiguous tensors:
   that writes is checked here first (``_checks``, all the op's checks in its order, with its
   argument names), on the caller's tensors. Staging copies every non-contiguous tensor; the
   checks' Python loop is small beside that, and the common, contiguous path does not run it.
-The fused optimizer ops stage the same way: a list the op reads and writes (parameters, state)
-through contiguous copies, a list it only writes (model parameters) through fresh buffers.
+The fused optimizer ops stage every list they write (parameters, state, model parameters)
+through contiguous copies of its current values, and copy them all back: a skipped step
+(``found_inf`` not 0, which the kernels read on the device) writes nothing into the copies, so
+the copy back leaves the caller's tensors as they were, bit for bit, without the host reading
+``found_inf``. Fresh, uninitialised buffers serve only outputs the kernel writes in full whatever
+``found_inf`` holds (``scale_out``'s and ``axpby_out``'s).
 Both sets offer ``hold_lists``: an update's lists held in C++ between steps
 (``torch.classes.apex_lite.HeldLists``, csrc/held_lists.cpp), whose steps pass no list through
 Python.
@@ -66,7 +70,9 @@ def _read_copies(tensors: Tensors) -> List[torch.Tensor]:
 
 
 def _write_buffers(tensors: Tensors) -> List[torch.Tensor]:
-    """Contiguous tensors to write results for ``tensors`` into (the contiguous ones themselves)."""
+    """Contiguous tensors to write results for ``tensors`` into (the contiguous ones themselves),
+    uninitialised: only for outputs the op writes in full on every call. What an op may leave
+    unwritten (a fused step skipped by ``found_inf``) is staged by ``_read_copies`` instead."""
     return [t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device)
             for t in tensors]
 
@@ -145,7 +151,7 @@ def fused_sgd_(params: Tensors, grads: Tensors, momentum_buffers: Tensors, model
         return
     staged_params = _read_copies(params)
     staged_buffers = _read_copies(momentum_buffers)
-    staged_models = _write_buffers(model_params)
+    staged_models = _read_copies(model_params)   # a skipped step leaves them unwritten
     _fused_sgd_(staged_params, _read_copies(grads), staged_buffers, staged_models, *rest)
     for targets, buffers in ((params, staged_params), (momentum_buffers, staged_buffers),
                              (model_params, staged_models)):
@@ -159,8 +165,9 @@ def _adam_like(op):
         if all(_contiguous(tensors) for tensors in lists):
             op(params, grads, exp_avgs, exp_avg_sqs, model_params, steps, *rest)
             return
+        # Every list with its current values: a skipped step leaves them all unwritten.
         staged = [_read_copies(params), _read_copies(grads), _read_copies(exp_avgs),
-                  _read_copies(exp_avg_sqs), _write_buffers(model_params)]
+                  _read_copies(exp_avg_sqs), _read_copies(model_params)]
         op(*staged, steps, *rest)
         for targets, buffers in zip((params, exp_avgs, exp_avg_sqs, model_params),
                                     (staged[0], staged[2], staged[3], staged[4])):
@@ -212,8 +219,9 @@ def fused_adagrad_(params: Tensors, grads: Tensors, sums: Tensors, model_params:
     if all(_contiguous(tensors) for tensors in (params, grads, sums, model_params)):
         _fused_adagrad_(params, grads, sums, model_params, steps, *rest)
         return
+    # Every list with its current values: a skipped step leaves them all unwritten.
     staged = [_read_copies(params), _read_copies(grads), _read_copies(sums),
-              _write_buffers(model_params)]
+              _read_copies(model_params)]
     _fused_adagrad_(*staged, steps, *rest)
     for targets, buffers in zip((params, sums, model_params), (staged[0], staged[2], staged[3])):
         _copy_back(targets, buffers)

@@ -18,6 +18,8 @@ from typing import List, Sequence, Tuple, Union
 
 import torch
 
+from . import _checks
+
 Tensors = Sequence[torch.Tensor]
 
 
@@ -143,7 +145,9 @@ def nonfinite_flags(tensors: Tensors) -> torch.Tensor:
 # nearest even) and steps[i] += 1. When found_inf is not 0 nothing is written.
 #
 # This backend reads found_inf and the step counts on the host (free on the CPU, a sync on CUDA,
-# where the native kernels read them on the device).
+# where the native kernels read them on the device). Of the native kernels' argument checks it
+# makes one, before it reads found_inf, as they do: each parameter has a step count of its own
+# (_checks.check_own_step_counts).
 
 
 def _skips(found_inf: torch.Tensor) -> bool:
@@ -264,6 +268,7 @@ def fused_adam_(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs:
                 model_params: Tensors, steps: Tensors, inv_scale: torch.Tensor,
                 found_inf: torch.Tensor, lr: float, beta1: float, beta2: float, eps: float,
                 weight_decay: float, adam_w_mode: bool, bias_correction: bool) -> None:
+    _checks.check_own_step_counts("fused_adam_", steps)
     if not params or _skips(found_inf):
         return
     p = _fp32_params(params)
@@ -311,6 +316,7 @@ def fused_lamb_(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs:
                 beta2: float, eps: float, weight_decay: float, adam_w_mode: bool,
                 bias_correction: bool, grad_averaging: bool, max_grad_norm: float,
                 use_nvlamb: bool) -> None:
+    _checks.check_own_step_counts("fused_lamb_", steps)
     if not params or _skips(found_inf):
         return
     g = _true_grads(grads, inv_scale)

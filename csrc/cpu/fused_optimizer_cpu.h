@@ -1,8 +1,9 @@
 // Shared by the CPU fused optimizer steps (fused_sgd.cpp, fused_adam.cpp, fused_lamb.cpp): the
-// argument checks, the host-side reads of the 1-element tensors, the per-segment driver that
-// loads parameters and gradients in fp32 and rounds each result once into the parameter and the
-// model parameter, the plan of a call read in one scan over its lists before anything is written
-// (PlannedCall), and the Adam arithmetic that Adam and LAMB share.
+// rules of their tensors and the argument checks made of them, the host-side reads of the
+// 1-element tensors, the per-segment driver that loads parameters and gradients in fp32 and
+// rounds each result once into the parameter and the model parameter, the plan of a call read in
+// one scan over its lists before anything is written (PlannedCall, which tests the same rules),
+// and the Adam arithmetic that Adam and LAMB share.
 //
 // The per-element arithmetic is the contract spelled out in apex_lite/multi_tensor/_python.py:
 // every operation rounds once to fp32 (at::vec's operators are single IEEE instructions, sqrt
@@ -25,7 +26,126 @@
 namespace apex_lite {
 namespace cpu {
 
+// ---- the rules of a step's tensors --------------------------------------------------------
+//
+// Each rule is spelled once, here: a function over one tensor (its TensorImpl, whose fields the
+// plan's scan reads) that returns whether the tensor follows it, and otherwise returns what
+// fail(message parts...) returns. Both ways of checking a call use them: the checks below pass
+// Raise, which throws the op's error, and run the rules in the op's order; PlannedCall's scan
+// passes Refuse, which only answers false (no message is built), and runs the op's checks for
+// the error when a tensor fails. The scan adds its own conditions (plain and contiguous tensors)
+// for the tensors it plans without staging.
+
+// fail for the checks: throws the op's error (a RuntimeError) with the message.
+struct Raise {
+  template <typename... Parts>
+  bool operator()(const Parts&... parts) const {
+    TORCH_CHECK(false, parts...);
+    return false;
+  }
+};
+
+// fail for the scan: the tensor breaks a rule (the checks will say which).
+struct Refuse {
+  template <typename... Parts>
+  bool operator()(const Parts&...) const {
+    return false;
+  }
+};
+
+// On the CPU, as every tensor of a call (this is the CPU kernel).
+template <typename Fail>
+inline bool on_cpu(const char* op, const char* name, size_t i, const c10::TensorImpl& t,
+                   Fail&& fail) {
+  if (t.device().is_cpu()) return true;
+  return fail("apex_lite::", op, ": ", name, "[", i, "] is on ", t.device(),
+              " but this is the CPU kernel; all tensors of a call must be on one device");
+}
+
+// params, grads, model_params: float32, float16 or bfloat16, on the CPU (any strides: see
+// ContiguousList).
+template <typename Fail>
+inline bool stepped_tensor_ok(const char* op, const char* name, size_t i,
+                              const c10::TensorImpl& t, Fail&& fail) {
+  const at::ScalarType dtype = t.dtype().toScalarType();
+  if (!is_supported_dtype(dtype)) {
+    return fail("apex_lite::", op, ": ", name, "[", i, "] has dtype ", dtype,
+                "; only float32, float16 and bfloat16 are supported");
+  }
+  return on_cpu(op, name, i, t, fail);
+}
+
+// Optimizer state (momentum buffers, exp_avgs, exp_avg_sqs): float32 whatever the parameter's
+// dtype, on the CPU.
+template <typename Fail>
+inline bool state_tensor_ok(const char* op, const char* name, size_t i, const c10::TensorImpl& t,
+                            Fail&& fail) {
+  const at::ScalarType dtype = t.dtype().toScalarType();
+  if (dtype != at::kFloat) {
+    return fail("apex_lite::", op, ": ", name, "[", i, "] has dtype ", dtype,
+                "; optimizer state is float32 whatever the parameter's dtype (create it with "
+                "torch.zeros_like(param, dtype=torch.float32))");
+  }
+  return on_cpu(op, name, i, t, fail);
+}
+
+// steps[i]: the parameter's step count, one float32 element on the CPU.
+template <typename Fail>
+inline bool step_count_ok(const char* op, size_t i, const c10::TensorImpl& t, Fail&& fail) {
+  const at::ScalarType dtype = t.dtype().toScalarType();
+  if (t.numel() == 1 && dtype == at::kFloat && t.device().is_cpu()) return true;
+  return fail("apex_lite::", op, ": steps[", i,
+              "] must be a 1-element float32 CPU tensor (the parameter's step count), got ",
+              t.numel(), " elements of ", dtype, " on ", t.device());
+}
+
+// name[i] is shaped like params[i] (of sizes `param`).
+template <typename Fail>
+inline bool shaped_like_param(const char* op, const char* name, size_t i,
+                              const c10::TensorImpl& t, at::IntArrayRef param, Fail&& fail) {
+  if (plain::same_sizes(t.sizes(), param)) return true;
+  return fail("apex_lite::", op, ": params[", i, "] has shape ", param, " but ", name, "[", i,
+              "] has ", t.sizes());
+}
+
+// The lengths of a call's lists, for n parameters: one gradient, state tensor and (when size is
+// the steps') step count per parameter (`fix` ends the message); model_params none or one per
+// parameter.
+template <typename Fail>
+inline bool one_per_param(const char* op, const char* name, size_t size, size_t n,
+                          const char* fix, Fail&& fail) {
+  if (size == n) return true;
+  return fail("apex_lite::", op, ": params has ", n, " tensors but ", name, " has ", size, fix);
+}
+
+template <typename Fail>
+inline bool models_length_ok(const char* op, size_t size, size_t n, Fail&& fail) {
+  if (size == 0 || size == n) return true;
+  return fail("apex_lite::", op, ": model_params has ", size, " tensors but params has ", n,
+              "; pass one model parameter per parameter, or none");
+}
+
+constexpr const char* kStepsFix = "; pass one step count per parameter";
+
 // ---- argument checks ----------------------------------------------------------------------
+// The rules above with Raise, list by list in the op's order: the first failure's error.
+
+// One list of stepped tensors (params, grads, model_params).
+inline void check_list(const char* op, const char* name, at::TensorList tensors) {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    stepped_tensor_ok(op, name, i, *tensors[i].unsafeGetTensorImpl(), Raise{});
+  }
+}
+
+// b aligned with params (a): one tensor per parameter, shaped like it.
+inline void check_same_sizes(const char* op, const char* name_a, at::TensorList a,
+                             const char* name_b, at::TensorList b) {
+  (void)name_a;  // always "params"
+  one_per_param(op, name_b, b.size(), a.size(), "", Raise{});
+  for (size_t i = 0; i < a.size(); ++i) {
+    shaped_like_param(op, name_b, i, *b[i].unsafeGetTensorImpl(), a[i].sizes(), Raise{});
+  }
+}
 
 // What every step takes: params and grads of fp32/fp16/bf16 on the CPU, pairwise equal shapes;
 // model_params empty or one per parameter, shaped like it; inv_scale and found_inf.
@@ -35,9 +155,7 @@ inline void check_step_args(const char* op, at::TensorList params, at::TensorLis
   check_list(op, "params", params);
   check_list(op, "grads", grads);
   check_same_sizes(op, "params", params, "grads", grads);
-  TORCH_CHECK(model_params.empty() || model_params.size() == params.size(), "apex_lite::", op,
-              ": model_params has ", model_params.size(), " tensors but params has ",
-              params.size(), "; pass one model parameter per parameter, or none");
+  models_length_ok(op, model_params.size(), params.size(), Raise{});
   check_list(op, "model_params", model_params);
   if (!model_params.empty()) check_same_sizes(op, "params", params, "model_params", model_params);
   check_scalar_tensor(op, "inv_scale", inv_scale);
@@ -50,26 +168,16 @@ inline void check_state_list(const char* op, const char* name, at::TensorList st
                              at::TensorList params) {
   check_same_sizes(op, "params", params, name, state);
   for (size_t i = 0; i < state.size(); ++i) {
-    TORCH_CHECK(state[i].scalar_type() == at::kFloat, "apex_lite::", op, ": ", name, "[", i,
-                "] has dtype ", state[i].scalar_type(),
-                "; optimizer state is float32 whatever the parameter's dtype (create it with "
-                "torch.zeros_like(param, dtype=torch.float32))");
-    TORCH_CHECK(state[i].device().is_cpu(), "apex_lite::", op, ": ", name, "[", i, "] is on ",
-                state[i].device(),
-                " but this is the CPU kernel; all tensors of a call must be on one device");
+    state_tensor_ok(op, name, i, *state[i].unsafeGetTensorImpl(), Raise{});
   }
 }
 
-// steps: one 1-element fp32 CPU tensor per parameter, its step count.
+// steps: one 1-element fp32 CPU tensor per parameter, its step count. (That each is the
+// parameter's own, PlannedCall checks over the addresses it plans with.)
 inline void check_steps(const char* op, at::TensorList steps, at::TensorList params) {
-  TORCH_CHECK(steps.size() == params.size(), "apex_lite::", op, ": params has ", params.size(),
-              " tensors but steps has ", steps.size(), "; pass one step count per parameter");
+  one_per_param(op, "steps", steps.size(), params.size(), kStepsFix, Raise{});
   for (size_t i = 0; i < steps.size(); ++i) {
-    const at::Tensor& s = steps[i];
-    TORCH_CHECK(s.numel() == 1 && s.scalar_type() == at::kFloat && s.device().is_cpu(),
-                "apex_lite::", op, ": steps[", i,
-                "] must be a 1-element float32 CPU tensor (the parameter's step count), got ",
-                s.numel(), " elements of ", s.scalar_type(), " on ", s.device());
+    step_count_ok(op, i, *steps[i].unsafeGetTensorImpl(), Raise{});
   }
 }
 
@@ -165,6 +273,9 @@ struct StepLists {
   size_t state_lists = 0;
   at::TensorList steps;
   bool counted = false;
+  // false where the counts are read and never written (fused_lamb_mp_'s one count for every
+  // parameter): only written counts must be each parameter's own.
+  bool own_counts = true;
 };
 
 // Where one parameter's tensors are, as the scan read them for the Planner's entry.
@@ -183,8 +294,8 @@ struct ParamData {
 // With thousands of small tensors the scan is the step's serial part, and its cost is per
 // tensor: the TensorImpls and StorageImpls that the previous step's pass pushed out of cache
 // (about four lines per tensor, on pages whose TLB entries the pass likely evicted too), and
-// the reading itself. When every tensor is plain (plain_tensor.h), contiguous and passes the
-// checks (the common case) the scan reads the TensorImpls' fields directly, on all threads,
+// the reading itself. When every tensor is plain (plain_tensor.h), contiguous and follows the
+// rules (the common case) the scan reads the TensorImpls' fields directly, on all threads,
 // each over its own range of parameters with the lines it will read asked for ahead, so that
 // the misses of both cores overlap. Otherwise the op's own checks run, raising the first
 // failure's error, and a call that passes them (it has non-contiguous or non-plain tensors) is
@@ -208,14 +319,21 @@ class PlannedCall {
   // check(): the op's own checks of its lists, which raise the first failure's error and return
   // for a call that is merely non-contiguous; run when the scan finds anything unusual, or at
   // once when scan is false (the caller saw a list-level problem the scan does not look for).
-  // inv_scale and found_inf are checked last either way.
+  // Then, either way, a counted call's step counts are checked to be each parameter's own
+  // (checks::check_own_step_counts, over the addresses the plan read), and inv_scale and
+  // found_inf last.
   template <typename Check>
   PlannedCall(const char* op, const StepLists& lists, const at::Tensor& inv_scale,
               const at::Tensor& found_inf, Planner planner, Check&& check, bool scan = true)
       : planner_(std::move(planner)) {
-    if (!scan || !plan_if_plain(lists)) {
+    if (!scan || !plan_if_plain(op, lists)) {
       check();
       plan_staged(lists);
+    }
+    if (lists.counted && lists.own_counts) {
+      checks::check_own_step_counts(op, counts_.size(), [&](size_t i) {
+        return reinterpret_cast<uintptr_t>(counts_[i]);
+      });
     }
     check_scalar_tensor(op, "inv_scale", inv_scale);
     check_found_inf(op, found_inf);
@@ -239,10 +357,11 @@ class PlannedCall {
   // Parameters per task of the parallel scan.
   static constexpr int64_t kScanGrain = 128;
 
-  void resize(size_t n) {
+  void resize(size_t n, bool counted) {
     entries_.resize(n);
     types_.resize(n);
     offsets_.assign(n + 1, 0);
+    counts_.resize(counted ? n : 0);
   }
 
   void sum_offsets() {
@@ -250,14 +369,18 @@ class PlannedCall {
   }
 
   // The scan of the common case. False (the plan is then incomplete and is redone) when a list
-  // has the wrong length, or a tensor is not plain, fails a check or is not contiguous.
-  bool plan_if_plain(const StepLists& l) {
+  // has the wrong length, or a tensor is not plain, breaks a rule or is not contiguous.
+  bool plan_if_plain(const char* op, const StepLists& l) {
     const size_t n = l.params.size();
-    bool lengths = l.grads.size() == n && (l.models.empty() || l.models.size() == n) &&
-                   (!l.counted || l.steps.size() == n);
-    for (size_t s = 0; s < l.state_lists; ++s) lengths = lengths && l.state[s].size() == n;
+    const Refuse refuse;
+    bool lengths = one_per_param(op, "grads", l.grads.size(), n, "", refuse) &&
+                   models_length_ok(op, l.models.size(), n, refuse) &&
+                   (!l.counted || one_per_param(op, "steps", l.steps.size(), n, kStepsFix, refuse));
+    for (size_t s = 0; s < l.state_lists; ++s) {
+      lengths = lengths && one_per_param(op, "state", l.state[s].size(), n, "", refuse);
+    }
     if (!lengths) return false;
-    resize(n);
+    resize(n, l.counted);
     std::atomic<bool> passed{true};
     at::parallel_for(0, static_cast<int64_t>(n), kScanGrain, [&](int64_t begin, int64_t end) {
       const size_t last = static_cast<size_t>(end);
@@ -265,7 +388,7 @@ class PlannedCall {
       for (size_t i = static_cast<size_t>(begin); i < last; ++i) {
         prefetch_ahead(l, i, last);
         ParamData data;
-        if (!read_plain(l, i, data)) {
+        if (!read_plain(op, l, i, data)) {
           passed.store(false, std::memory_order_relaxed);
           return;
         }
@@ -280,50 +403,62 @@ class PlannedCall {
 
   // Parameter i's data, dtypes (types_[i]) and element count (offsets_[i + 1], summed by
   // sum_offsets) read from the TensorImpls' fields; false when one of its tensors is not plain,
-  // not contiguous, not shaped like the parameter, or of a dtype the op does not take.
-  bool read_plain(const StepLists& l, size_t i, ParamData& data) {
+  // not contiguous, or breaks a rule (the rules of the checks, with Refuse: the list names are
+  // those of the messages, which are not built).
+  bool read_plain(const char* op, const StepLists& l, size_t i, ParamData& data) {
     using plain::data_of;
+    const Refuse refuse;
     const c10::TensorImpl& param = *l.params[i].unsafeGetTensorImpl();
     const at::IntArrayRef sizes = param.sizes();
-    // A plain, contiguous CPU tensor shaped like the parameter.
-    const auto usable = [&](const c10::TensorImpl& t) {
-      return plain::is_plain(t, c10::DispatchKey::CPU) && t.is_contiguous() &&
-             plain::same_sizes(t.sizes(), sizes);
+    // The scan's own conditions: a plain, contiguous CPU tensor (the others are staged).
+    const auto plain_contiguous = [](const c10::TensorImpl& t) {
+      return plain::is_plain(t, c10::DispatchKey::CPU) && t.is_contiguous();
     };
-    const auto stepped = [&](const c10::TensorImpl& t, at::ScalarType& dtype) {
-      if (!usable(t)) return false;
+    // A stepped tensor (a gradient, a model parameter) aligned with the parameter.
+    const auto stepped = [&](const char* name, const c10::TensorImpl& t, at::ScalarType& dtype) {
+      if (!plain_contiguous(t) || !shaped_like_param(op, name, i, t, sizes, refuse) ||
+          !stepped_tensor_ok(op, name, i, t, refuse)) {
+        return false;
+      }
       dtype = t.dtype().toScalarType();
-      return is_supported_dtype(dtype);
-    };
-    const auto fp32 = [](const c10::TensorImpl& t) {
-      return t.dtype().toScalarType() == at::kFloat;
+      return true;
     };
     StepTypes& types = types_[i];
-    if (!stepped(param, types.param) || !data_of<true>(param, data.param)) return false;
+    if (!plain_contiguous(param) || !stepped_tensor_ok(op, "params", i, param, refuse) ||
+        !data_of<true>(param, data.param)) {
+      return false;
+    }
+    types.param = param.dtype().toScalarType();
     const c10::TensorImpl& grad = *l.grads[i].unsafeGetTensorImpl();
-    if (!stepped(grad, types.grad) || !data_of<false>(grad, data.grad)) return false;
+    if (!stepped("grads", grad, types.grad) || !data_of<false>(grad, data.grad)) return false;
     types.model = at::ScalarType::Undefined;
     data.model = nullptr;
     if (!l.models.empty()) {
       const c10::TensorImpl& model = *l.models[i].unsafeGetTensorImpl();
-      if (!stepped(model, types.model) || !data_of<true>(model, data.model)) return false;
+      if (!stepped("model_params", model, types.model) || !data_of<true>(model, data.model)) {
+        return false;
+      }
     }
     data.state = {nullptr, nullptr};
     for (size_t s = 0; s < l.state_lists; ++s) {
       const c10::TensorImpl& state = *l.state[s][i].unsafeGetTensorImpl();
       void* state_data = nullptr;
-      if (!usable(state) || !fp32(state) || !data_of<true>(state, state_data)) return false;
+      if (!plain_contiguous(state) || !shaped_like_param(op, "state", i, state, sizes, refuse) ||
+          !state_tensor_ok(op, "state", i, state, refuse) || !data_of<true>(state, state_data)) {
+        return false;
+      }
       data.state[s] = static_cast<float*>(state_data);
     }
     data.count = nullptr;
     if (l.counted) {
       const c10::TensorImpl& step = *l.steps[i].unsafeGetTensorImpl();
       void* count = nullptr;
-      if (!plain::is_plain(step, c10::DispatchKey::CPU) || step.numel() != 1 || !fp32(step) ||
+      if (!plain::is_plain(step, c10::DispatchKey::CPU) || !step_count_ok(op, i, step, refuse) ||
           !data_of<true>(step, count)) {
         return false;
       }
       data.count = static_cast<float*>(count);
+      counts_[i] = data.count;
     }
     offsets_[i + 1] = param.numel();
     return true;
@@ -339,6 +474,7 @@ class PlannedCall {
     data.state = {nullptr, nullptr};
     for (size_t s = 0; s < l.state_lists; ++s) data.state[s] = l.state[s][i].data_ptr<float>();
     data.count = l.counted ? l.steps[i].data_ptr<float>() : nullptr;
+    if (l.counted) counts_[i] = data.count;
     types_[i] = StepTypes{l.params[i].scalar_type(), l.grads[i].scalar_type(), model_dtype(model)};
     offsets_[i + 1] = l.params[i].numel();
   }
@@ -357,7 +493,7 @@ class PlannedCall {
     staged.params = written_[0].list();
     staged.models = written_[1].list();
     for (size_t s = 0; s < l.state_lists; ++s) staged.state[s] = written_[2 + s].list();
-    resize(staged.params.size());
+    resize(staged.params.size(), l.counted);
     typename Planner::Cache cache;
     for (size_t i = 0; i < staged.params.size(); ++i) {
       ParamData data;
@@ -393,6 +529,8 @@ class PlannedCall {
   std::vector<Entry> entries_;
   std::vector<StepTypes> types_;
   std::vector<int64_t> offsets_;
+  // Where each parameter's step count is (counted calls; empty otherwise).
+  std::vector<float*> counts_;
   // Stand-ins of the non-contiguous case (empty otherwise): read_ (grads) and written_ (params,
   // model_params, then the state lists).
   std::vector<ContiguousList> read_, written_;
@@ -606,7 +744,8 @@ class AdamCall : public PlannedCall<AdamPlanner> {
            const at::Tensor& inv_scale, const at::Tensor& found_inf, double beta1, double beta2,
            bool bias_correction, float step_size, bool counts_given = false)
       : PlannedCall(op,
-                    StepLists{params, grads, model_params, {exp_avgs, exp_avg_sqs}, 2, steps, true},
+                    StepLists{params, grads, model_params, {exp_avgs, exp_avg_sqs}, 2, steps, true,
+                              !counts_given},
                     inv_scale, found_inf,
                     AdamPlanner{beta1, beta2, bias_correction, step_size, counts_given},
                     [&] {
@@ -616,8 +755,8 @@ class AdamCall : public PlannedCall<AdamPlanner> {
                       check_steps(op, steps, params);
                     }) {}
 
-  // steps[i] += 1 in fp32 for every parameter. Every count was read by the scan, so a step tensor
-  // passed for two parameters is read twice, then incremented twice. Not for counts_given.
+  // steps[i] += 1 in fp32 for every parameter (each its own count: PlannedCall refused shared
+  // ones). Not for counts_given (fused_lamb_mp_'s one step tensor, which the caller increments).
   void count_step() const {
     for (const AdamTensor& t : entries()) *t.count += 1.0f;
   }

@@ -45,18 +45,6 @@ inline int dtype_index(at::ScalarType t) {
   return t == at::kFloat ? 0 : (t == at::kHalf ? 1 : 2);
 }
 
-// Checks one list of a fused optimizer step: supported dtype, on the CPU. Any strides are accepted
-// (see ContiguousList). The multi-tensor ops check theirs with multi_tensor_checks.h.
-inline void check_list(const char* op, const char* name, at::TensorList tensors) {
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const at::Tensor& t = tensors[i];
-    TORCH_CHECK(is_supported_dtype(t.scalar_type()), "apex_lite::", op, ": ", name, "[", i,
-                "] has dtype ", t.scalar_type(), "; only float32, float16 and bfloat16 are supported");
-    TORCH_CHECK(t.device().is_cpu(), "apex_lite::", op, ": ", name, "[", i, "] is on ", t.device(),
-                " but this is the CPU kernel; all tensors of a call must be on one device");
-  }
-}
-
 // Contiguous stand-ins for a list: the list itself when every tensor is contiguous (the common
 // case costs one scan), else contiguous copies (for tensors that are read) or fresh buffers (for
 // tensors that are only written) in place of the non-contiguous ones. write_back() copies the
@@ -102,16 +90,6 @@ class ContiguousList {
   at::TensorList original_;
   std::vector<at::Tensor> staged_;
 };
-
-inline void check_same_sizes(const char* op, const char* name_a, at::TensorList a,
-                             const char* name_b, at::TensorList b) {
-  TORCH_CHECK(a.size() == b.size(), "apex_lite::", op, ": ", name_a, " has ", a.size(),
-              " tensors but ", name_b, " has ", b.size());
-  for (size_t i = 0; i < a.size(); ++i) {
-    TORCH_CHECK(a[i].sizes() == b[i].sizes(), "apex_lite::", op, ": ", name_a, "[", i,
-                "] has shape ", a[i].sizes(), " but ", name_b, "[", i, "] has ", b[i].sizes());
-  }
-}
 
 // found_inf, inv_scale and the like: one fp32 value on the CPU, which the kernels read and write
 // through data_ptr on the host. (The dispatcher sends a call to the CPU kernels only when all of

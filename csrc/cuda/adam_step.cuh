@@ -2,7 +2,8 @@
 // the multi-tensor functor of each stage, its launcher and the argument checks.
 //
 // Per element, in fp32, each line one correctly rounded operation (no fused multiply-add, whatever
-// -fmad says; __f*_rn), hyper-parameters converted from double to fp32 once on the host:
+// -fmad says; __f*_rn; the sums of squares of LAMB's trust-ratio norms alone use fmaf, see
+// kLambNorms), hyper-parameters converted from double to fp32 once on the host:
 //   g = float(grad) * inv_scale
 //   g = g / clip                                  (LAMB with max_grad_norm > 0: clip = grad_norm /
 //                                                  max_grad_norm when grad_norm > max_grad_norm,
@@ -37,7 +38,9 @@ namespace apex_lite {
 namespace cuda {
 
 // kApply: the moments and the parameter in one pass (Adam; LAMB without trust ratio).
-// kLambNorms: LAMB stage 1, the moments, and per-chunk sums of squares of p and u (never stored).
+// kLambNorms: LAMB stage 1, the moments, and per-chunk sums of squares of p and u (never stored),
+//             accumulated with fmaf (one rounding per term, as l2norm.cu): the norms need not be
+//             bit for bit, and match the other backends within fp32 rounding.
 // kLambApply: LAMB stage 2, u recomputed from the stored m, v and the unchanged p, p updated with
 //             the trust ratio.
 enum class AdamStage { kApply, kLambNorms, kLambApply };
@@ -295,13 +298,14 @@ int64_t launch_adam_stage(at::TensorList params, at::TensorList grads, at::Tenso
 inline void check_adam_family_args(const char* op, at::TensorList params, at::TensorList grads,
                                    at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
                                    at::TensorList model_params, at::TensorList steps,
-                                   const at::Tensor& inv_scale, const at::Tensor& found_inf) {
+                                   const at::Tensor& inv_scale, const at::Tensor& found_inf,
+                                   bool counts_written = true) {
   check_step_args(op, params, grads, inv_scale, found_inf);
   const at::Device device = found_inf.device();
   check_state_list(op, "exp_avgs", exp_avgs, params, device);
   check_state_list(op, "exp_avg_sqs", exp_avg_sqs, params, device);
   check_model_params(op, model_params, params, device);
-  check_steps(op, steps, params, device);
+  check_steps(op, steps, params, device, counts_written);
 }
 
 // The fp32 hyper-parameters and device pointers common to Adam and LAMB; blocks_done is the

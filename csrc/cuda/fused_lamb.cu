@@ -73,7 +73,7 @@ void lamb_cuda(const char* op, at::TensorList params, at::TensorList grads,
                bool bias_correction, bool grad_averaging, double max_grad_norm,
                bool use_nvlamb) {
   check_adam_family_args(op, params, grads, exp_avgs, exp_avg_sqs, model_params, steps,
-                         inv_scale, found_inf);
+                         inv_scale, found_inf, /*counts_written=*/!counts_given);
   const at::Device device = found_inf.device();
   check_device_scalar(op, "grad_norm", grad_norm, device);
   if (params.empty()) {

@@ -3,9 +3,11 @@
 //
 // Three kernels on the current stream, no host synchronisation, deterministic for given inputs:
 // 1. multi-tensor-apply: each block writes the fp32 sum of squares of its chunk to
-//    partials[global block] (block reduction in a fixed order), and the block of a tensor's first
-//    chunk records where the tensor's run of partials starts and how long it is (a tensor's chunks
-//    have consecutive global block numbers, launch_plan.h);
+//    partials[global block] (each thread's squares accumulated with fmaf, one rounding per term:
+//    the exception to multi_tensor_apply.cuh's no-FMA rule, since norms agree with the other
+//    backends within fp32 rounding, not bit for bit; then a block reduction in a fixed order),
+//    and the block of a tensor's first chunk records where the tensor's run of partials starts
+//    and how long it is (a tensor's chunks have consecutive global block numbers, launch_plan.h);
 // 2. one block sums all partials in a fixed order and writes sqrt(sum) to total;
 // 3. with per_tensor, one block per tensor sums that tensor's run of partials and writes its sqrt
 //    (0 for an empty tensor).

@@ -10,7 +10,10 @@
 // Arithmetic contract shared by the kernels (apex_lite/multi_tensor/_python.py is the reference):
 // values are widened to fp32, computed in fp32 with explicitly rounded operations (no fused
 // multiply-add, whatever -fmad says), and narrowed once to the output dtype with the c10::Half /
-// c10::BFloat16 conversions (round to nearest even), the ones torch's own kernels use.
+// c10::BFloat16 conversions (round to nearest even), the ones torch's own kernels use. The one
+// exception is the sums of squares of the norms (l2norm.cu, LAMB's trust ratios in adam_step.cuh):
+// fmaf, one rounding per term; norms agree with the other backends within fp32 rounding, not bit
+// for bit, as their order of summation differs anyway.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -68,11 +68,14 @@ inline void check_model_params(const char* op, at::TensorList model_params, at::
   check_tensor_list(op, "model_params", model_params, device);
 }
 
-// steps: one 1-element float32 tensor per parameter, on the device, each its own tensor (the last
-// block of a parameter increments it while no other block of that call reads it; an alias shared
-// by two parameters would be read by one while the other increments it).
+// steps: one 1-element float32 tensor per parameter, on the device, each its own element (the
+// last block of a parameter increments it while no other block of that call reads it; a count
+// shared by two parameters would be read by one while the other increments it): refused by
+// checks::check_own_step_counts.
+// counts_written false: the counts are read, never written (fused_lamb_mp_'s one count for every
+// parameter), so sharing them is safe.
 inline void check_steps(const char* op, at::TensorList steps, at::TensorList params,
-                        const at::Device& device) {
+                        const at::Device& device, bool counts_written = true) {
   TORCH_CHECK(steps.size() == params.size(), "apex_lite::", op, ": steps has ", steps.size(),
               " tensors but params has ", params.size(), "; pass one step count per parameter");
   for (size_t i = 0; i < steps.size(); ++i) {
@@ -85,6 +88,10 @@ inline void check_steps(const char* op, at::TensorList steps, at::TensorList par
                 i, "] must be a 1-element float32 tensor, got ", s.scalar_type(), " with ",
                 s.numel(), " elements");
   }
+  if (!counts_written) return;
+  checks::check_own_step_counts(op, steps.size(), [&](size_t i) {
+    return reinterpret_cast<uintptr_t>(steps[i].const_data_ptr());
+  });
 }
 
 // ---- dtype dispatch -----------------------------------------------------------------------------
