@@ -22,7 +22,7 @@ pays off where the hardware has fast half arithmetic: tensor-core GPUs, CPUs wit
 AMX. On AVX2-only CPUs torch's bf16 and fp16 matmuls fall back to slow reference kernels, and
 the amp runs are many times slower than default precision. So the default sizes follow the
 hardware (`default_sizes`): where half units exist they are large enough that the levels differ
-as in real training (the recipe's sizes on a tensor-core GPU; 3 x 2048, batch 256 on a CPU with
+as in real training (the recipe's sizes on a tensor-core GPU; 3 x 2048, batch 128 on a CPU with
 bf16 units); elsewhere they are small. --full and explicit size flags win over either.
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ FULL_SIZES = dict(batch_size=512, width=4096, layers=3, batches=50, epochs=3)
 SMALL_SIZES = dict(batch_size=64, width=512, layers=3, batches=32, epochs=3)
 # A CPU with bf16 units: big enough that matmuls set the step time, small enough that the
 # five runs take well under a minute on 2 cores.
-CPU_HALF_UNIT_SIZES = dict(batch_size=256, width=2048, layers=3, batches=12, epochs=3)
+CPU_HALF_UNIT_SIZES = dict(batch_size=128, width=2048, layers=3, batches=24, epochs=3)
 # The CPU flags that mean fast matmuls of each half type (torch's oneDNN kernels use them).
 CPU_HALF_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("amx_fp16",)}
 HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}

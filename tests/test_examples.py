@@ -186,8 +186,8 @@ def test_amp_recipe_default_sizes_follow_the_hardware():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert recipe.default_sizes(cpu, False) == recipe.default_sizes(cuda, False) == dict(
         batch_size=64, width=512, layers=3, batches=32, epochs=3)
-    assert recipe.default_sizes(cpu, True) == dict(batch_size=256, width=2048, layers=3,
-                                                   batches=12, epochs=3)
+    assert recipe.default_sizes(cpu, True) == dict(batch_size=128, width=2048, layers=3,
+                                                   batches=24, epochs=3)
     assert recipe.default_sizes(cuda, True) == recipe.FULL_SIZES
 
 
