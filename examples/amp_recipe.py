@@ -12,7 +12,7 @@ falls at every level. Prints one table: per run the median ms/step, peak memory,
 training loss of the first and the last epoch, and the loss on held-out inputs; below it, what
 the columns are and one line on what the figures mean on this machine's hardware.
 
-    python examples/amp_recipe.py               # small sizes: well under a minute on 2 cores
+    python examples/amp_recipe.py               # sizes from the hardware: under a minute on 2 cores
     python examples/amp_recipe.py --plot amp_recipe.png   # also a PNG (needs matplotlib)
     python examples/amp_recipe.py --full        # the recipe's sizes (for a GPU): batch 512,
                                                 #   4096 wide, 3 layers, 50 batches x 3 epochs
@@ -20,8 +20,10 @@ the columns are and one line on what the figures mean on this machine's hardware
 On CPU the half type is bfloat16, on CUDA float16 (choose with --half-dtype). Mixed precision
 pays off where the hardware has fast half arithmetic: tensor-core GPUs, CPUs with AVX512-BF16 or
 AMX. On AVX2-only CPUs torch's bf16 and fp16 matmuls fall back to slow reference kernels, and
-the amp runs are many times slower than default precision; the defaults are small for that
-reason.
+the amp runs are many times slower than default precision. So the default sizes follow the
+hardware (`default_sizes`): where half units exist they are large enough that the levels differ
+as in real training (the recipe's sizes on a tensor-core GPU; 3 x 2048, batch 128 on a CPU with
+bf16 units); elsewhere they are small. --full and explicit size flags win over either.
 """
 from __future__ import annotations
 
@@ -43,6 +45,11 @@ from apex_lite import amp
 LOG = logging.getLogger("apex_lite.examples.amp_recipe")
 FULL_SIZES = dict(batch_size=512, width=4096, layers=3, batches=50, epochs=3)
 SMALL_SIZES = dict(batch_size=64, width=512, layers=3, batches=32, epochs=3)
+# A CPU with bf16 units: big enough that matmuls set the step time, small enough that the
+# five runs take well under a minute on 2 cores.
+CPU_HALF_UNIT_SIZES = dict(batch_size=128, width=2048, layers=3, batches=24, epochs=3)
+# The CPU flags that mean fast matmuls of each half type (torch's oneDNN kernels use them).
+CPU_HALF_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("amx_fp16",)}
 HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 TEACHER_RANK = 8
 HELD_OUT_ROWS = 512
@@ -189,26 +196,55 @@ def cpu_flags() -> Optional[set]:
         return None
 
 
+def cuda_tensor_cores(device: torch.device, half_dtype: torch.dtype) -> bool:
+    """Whether this GPU has tensor cores for the half type: fp16 from Volta (sm_70), bf16 from
+    Ampere (sm_80)."""
+    major, _ = torch.cuda.get_device_capability(device)
+    return major >= (8 if half_dtype == torch.bfloat16 else 7)
+
+
+def cpu_half_flags(half_dtype: torch.dtype) -> Optional[List[str]]:
+    """The CPU flags that give fast `half_dtype` matmuls here ([] for none), or None where
+    /proc/cpuinfo cannot be read."""
+    flags = cpu_flags()
+    if flags is None:
+        return None
+    return [flag for flag in CPU_HALF_FLAGS[half_dtype] if flag in flags]
+
+
+def has_half_units(device: torch.device, half_dtype: torch.dtype) -> bool:
+    """Whether this device runs `half_dtype` matmuls on fast half units."""
+    if device.type == "cuda":
+        return cuda_tensor_cores(device, half_dtype)
+    return bool(cpu_half_flags(half_dtype))
+
+
+def default_sizes(device: torch.device, half_units: bool) -> dict:
+    """The sizes used where no size flag is given: large enough that the levels differ as in
+    real training where half units exist, small where they do not (amp is slower there)."""
+    if not half_units:
+        return SMALL_SIZES
+    return FULL_SIZES if device.type == "cuda" else CPU_HALF_UNIT_SIZES
+
+
 def what_the_figures_mean(device: torch.device, half_dtype: torch.dtype) -> str:
     """One line, from this machine's hardware, on what the speed-ups mean here."""
     half = {torch.float16: "fp16", torch.bfloat16: "bf16"}[half_dtype]
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         major, minor = torch.cuda.get_device_capability(device)
-        # Tensor cores: fp16 from Volta (sm_70), bf16 from Ampere (sm_80).
-        if major >= (8 if half_dtype == torch.bfloat16 else 7):
+        if cuda_tensor_cores(device, half_dtype):
             return (f"Here: {name} (sm_{major}{minor}) runs {half} matmuls on tensor cores, so "
-                    f"O1-O3 should beat fp32 at the recipe's sizes (--full); at the small default "
+                    f"O1-O3 should beat fp32 at the recipe's sizes (the default here); at small "
                     f"sizes kernel launches, not arithmetic, set the step time.")
         return (f"Here: {name} (sm_{major}{minor}) has no {half} tensor cores: expect memory "
                 f"savings from O1-O3, not speed.")
     capability = torch.backends.cpu.get_cpu_capability()
-    flags = cpu_flags()
-    if flags is None:
+    found = cpu_half_flags(half_dtype)
+    if found is None:
         return (f"Here: a CPU with torch {capability} kernels (no /proc/cpuinfo, so whether it "
                 f"has {half} units is unknown); without them O1-O3 run slower than fp32.")
-    wanted = ("avx512_bf16", "amx_bf16") if half_dtype == torch.bfloat16 else ("amx_fp16",)
-    found = [flag for flag in wanted if flag in flags]
+    wanted = CPU_HALF_FLAGS[half_dtype]
     if found:
         return (f"Here: a CPU with torch {capability} kernels and {'/'.join(found)}: {half} "
                 f"matmuls run on its {half} units, so O1-O3 can beat fp32 (on a quiet machine); "
@@ -266,12 +302,15 @@ def parse_args(argv=None):
     p.add_argument("--full", action="store_true",
                    help="the recipe's sizes: batch 512, width 4096, 3 layers, 50 batches, "
                         "3 epochs (explicit size flags still win)")
-    p.add_argument("--batch-size", type=int, help="default 64 (recipe: 512)")
-    p.add_argument("--width", type=int, help="input = hidden = output size; default 512 "
-                                             "(recipe: 4096)")
-    p.add_argument("--layers", type=int, help="Linear layers; default 3 (recipe: 3)")
-    p.add_argument("--batches", type=int, help="batches per epoch; default 32 (recipe: 50)")
-    p.add_argument("--epochs", type=int, help="default 3 (recipe: 3)")
+    sizes = ("default from the hardware: {} without half units, {} on a CPU with them, the "
+             "recipe's {} on a GPU with tensor cores")
+    for flag, name, what in (("--batch-size", "batch_size", ""),
+                             ("--width", "width", "input = hidden = output size; "),
+                             ("--layers", "layers", "Linear layers; "),
+                             ("--batches", "batches", "batches per epoch; "),
+                             ("--epochs", "epochs", "")):
+        p.add_argument(flag, type=int, help=what + sizes.format(
+            SMALL_SIZES[name], CPU_HALF_UNIT_SIZES[name], FULL_SIZES[name]))
     p.add_argument("--lr", type=float, default=1.0,
                    help="SGD learning rate (default 1.0: MSELoss averages over every output, "
                         "which makes each gradient small)")
@@ -286,11 +325,17 @@ def parse_args(argv=None):
                    help="also write a PNG: step times, loss curves, loss-scale histories "
                         "(needs matplotlib)")
     args = p.parse_args(argv)
-    for name, value in (FULL_SIZES if args.full else SMALL_SIZES).items():
+    device = torch.device(args.device)
+    args.half_dtype = HALF_DTYPES[args.half_dtype or ("fp16" if device.type == "cuda" else "bf16")]
+    if args.full:
+        sizes = FULL_SIZES
+    elif device.type == "cuda" and not torch.cuda.is_available():
+        sizes = SMALL_SIZES   # main() stops with the reason
+    else:
+        sizes = default_sizes(device, has_half_units(device, args.half_dtype))
+    for name, value in sizes.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    device_type = torch.device(args.device).type
-    args.half_dtype = HALF_DTYPES[args.half_dtype or ("fp16" if device_type == "cuda" else "bf16")]
     return p, args
 
 
@@ -305,12 +350,16 @@ def print_table(rows, args, device) -> None:
               f"{r['held_out_loss']:>15.4f}")
     where = "CUDA allocator" if device.type == "cuda" else "resident set"
     weights_mib = args.layers * (args.width + 1) * args.width * 4 / 2**20
+    # fp32 activations the backward keeps: about one batch x width tensor per Linear.
+    activations_mib = args.layers * args.batch_size * args.width * 4 / 2**20
+    small = "small" if activations_mib < weights_mib else "not small"
     notes = [
         f"ms/step: median over all {args.epochs * args.batches} steps; speed-up: default "
         f"precision's ms/step over the row's. peak MiB: the run's peak {where} above what was "
         f"held before it. The fp32 weights are {weights_mib:.1f} MiB; O2 keeps fp32 master "
         f"weights beside the half model, so it saves activation memory, not weight memory, "
-        f"and activations are small at these sizes.",
+        f"and activations (about {activations_mib:.1f} MiB in fp32) are {small} beside the weights "
+        f"at these sizes.",
         f"Loss: MSE against the teacher's targets (about 1.0 untrained). train loss ep N: the "
         f"mean over epoch N's {args.batches} batches. held-out loss: after the last epoch, on "
         f"{HELD_OUT_ROWS} inputs never trained on.",

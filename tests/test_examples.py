@@ -167,6 +167,44 @@ def test_amp_recipe_machine_line_follows_the_cpu(monkeypatch, flags, expected):
     assert expected in line and torch.backends.cpu.get_cpu_capability() in line
 
 
+@pytest.mark.parametrize("flags,half_units", [
+    ({"avx2", "avx512_bf16"}, True), ({"avx2", "amx_bf16"}, True), ({"avx2", "fma"}, False),
+    (None, False),
+])
+def test_amp_recipe_half_units_follow_the_cpu_flags(monkeypatch, flags, half_units):
+    import torch
+    recipe = _load_script("examples/amp_recipe.py")
+    monkeypatch.setattr(recipe, "cpu_flags", lambda: flags)
+    assert recipe.has_half_units(torch.device("cpu"), torch.bfloat16) is half_units
+    assert recipe.has_half_units(torch.device("cpu"), torch.float16) is False
+
+
+def test_amp_recipe_default_sizes_follow_the_hardware():
+    """Large where half units exist (the levels differ as in real training), small elsewhere."""
+    import torch
+    recipe = _load_script("examples/amp_recipe.py")
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert recipe.default_sizes(cpu, False) == recipe.default_sizes(cuda, False) == dict(
+        batch_size=64, width=512, layers=3, batches=32, epochs=3)
+    assert recipe.default_sizes(cpu, True) == dict(batch_size=128, width=2048, layers=3,
+                                                   batches=24, epochs=3)
+    assert recipe.default_sizes(cuda, True) == recipe.FULL_SIZES
+
+
+@pytest.mark.parametrize("half_units", [True, False])
+def test_amp_recipe_flags_win_over_the_hardware_sizes(monkeypatch, half_units):
+    recipe = _load_script("examples/amp_recipe.py")
+    monkeypatch.setattr(recipe, "has_half_units", lambda device, dtype: half_units)
+    _, args = recipe.parse_args(["--device", "cpu"])
+    expected = recipe.CPU_HALF_UNIT_SIZES if half_units else recipe.SMALL_SIZES
+    assert {name: getattr(args, name) for name in expected} == expected
+    _, args = recipe.parse_args(["--device", "cpu", "--width", "96", "--batches", "5"])
+    assert (args.width, args.batches, args.batch_size) == (96, 5, expected["batch_size"])
+    _, args = recipe.parse_args(["--device", "cpu", "--full", "--epochs", "1"])
+    assert {name: getattr(args, name) for name in recipe.FULL_SIZES} == {
+        **recipe.FULL_SIZES, "epochs": 1}
+
+
 def _check_png(path: Path, stderr: str, panels: list) -> None:
     """The PNG exists, opens with matplotlib's reader, and the script drew the panels."""
     image = pytest.importorskip("matplotlib.image")
