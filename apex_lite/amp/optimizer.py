@@ -51,6 +51,7 @@ from ..multi_tensor import _python
 from ..multi_tensor._backend import ops_for
 from ..optimizers.update import local_shards
 from . import fsdp
+from .grad_edits import HalfGradEdits
 from .overflow import OverflowCheck
 from .scaler import BackwardScale
 
@@ -166,6 +167,8 @@ class AmpOptimizer:
         # A backward wrote gradients of this optimizer's parameters outside the scale_loss
         # blocks given it, since they were last cleared (_ForeignBackward).
         self.foreign_backward = False
+        # O2: the half model gradients as the last scale_loss left them (grad_edits.py).
+        self.grad_edits = HalfGradEdits()
         # The amp state a load_state_dict is bringing in: checked before torch loads the
         # optimizer's part, applied after torch has (so that nothing changes when either fails).
         self._incoming_amp_state: Optional[dict] = None
@@ -298,6 +301,9 @@ class AmpOptimizer:
         """Raise, before any backward, when the next backward cannot join the pending one. CHECKED
         gradients that the next backward would add to are unscaled into the masters' gradients
         first (accumulation is in fp32, as on the unfused step)."""
+        if self.grad_state in (CHECKED, UNSCALED):   # edited half gradients would be added
+            self.grad_edits.refuse(self, "amp.scale_loss")
+            self.grad_edits.forget()
         if self.grad_state == CHECKED:
             if any(p.grad is not None for group in self.groups().values()
                    for p in group.model_params):
@@ -366,6 +372,7 @@ class AmpOptimizer:
         self.pending_losses = []
         self.checks.append(check)
         self.stepped_since_backward = False
+        self.grad_edits.record(self)
 
     def unscale(self, stash: Dict[int, torch.Tensor], scale: BackwardScale,
                 check: OverflowCheck) -> None:
@@ -498,6 +505,8 @@ class AmpOptimizer:
                 f"was not given, whose backward reached these parameters). {_UNSCALED_FIX}")
         if self.grad_state == CLEAN:
             self._refuse_gradients_amp_did_not_unscale()
+        self.grad_edits.refuse(self, f"{self.label()}.step()")
+        self.grad_edits.forget()
         checks, self.checks = self.checks, []
         self.stepped_since_backward = True
         # Tell an LR scheduler this step counted (torch's own flag), also when it is skipped, so
@@ -557,6 +566,7 @@ class AmpOptimizer:
         self.checks = []
         self.missing_backward = False
         self.foreign_backward = False
+        self.grad_edits.forget()
         self.path.forget()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -597,6 +607,8 @@ class AmpOptimizer:
                              else group.masters)]
         if all(p.grad is None for p in holders):
             self.zero_grad(True)   # several models' zero_grad() together cleared them all
+        elif not set_to_none:
+            self.grad_edits.record(self)   # the zeros written are amp's, not an edit
 
     def add_param_group(self, param_group: dict) -> None:
         group = dict(param_group)
