@@ -46,6 +46,11 @@ class FusedMaster(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
     # The AmpOptimizer (a weak reference: the master must not keep amp's run alive), or None.
     _apex_lite_owner: Optional[weakref.ref] = None
+    # Whether a gradient may be stored: set by the setter, and by a backward that reaches the
+    # master (a hook). Where none is, .grad answers None without torch's getter, which costs a
+    # tensor subclass several times a plain tensor's read (its __torch_function__ lookup): an
+    # optimizer's zero_grad() reads every master's .grad each step.
+    _apex_lite_held = False
 
     @property
     def grad(self):
@@ -54,15 +59,17 @@ class FusedMaster(torch.Tensor):
             amp_opt = ref()
             if amp_opt is not None and amp_opt.grad_state == "checked":
                 amp_opt.materialize_master_grads()
-        return _get_grad(self)
+        return _get_grad(self) if self._apex_lite_held else None
 
     @grad.setter
     def grad(self, value):
         _set_grad(self, value)
+        self._apex_lite_held = value is not None
 
     @grad.deleter
     def grad(self):
         _TENSOR_GRAD.__delete__(self)
+        self._apex_lite_held = False
 
     def _plain(self) -> torch.Tensor:
         plain = self.detach()     # a plain tensor on the same storage (torch functions disabled)
@@ -87,6 +94,11 @@ class FusedMaster(torch.Tensor):
         return torch.Tensor.__repr__(self._plain(), **kwargs)
 
 
+def _grad_arrived(master: torch.Tensor) -> None:
+    """A backward accumulated into a FusedMaster (autograd sets .grad in C++, past the setter)."""
+    master._apex_lite_held = True
+
+
 def adopt(masters: Iterable[torch.Tensor], amp_opt) -> None:
     """Make ``masters`` (cast parameters' fp32 masters, plain tensors that amp made) the fused
     step's: their ``.grad`` materialises ``amp_opt``'s pending gradients when read. The objects
@@ -94,7 +106,11 @@ def adopt(masters: Iterable[torch.Tensor], amp_opt) -> None:
     ref = weakref.ref(amp_opt)
     for master in masters:
         if type(master) is torch.Tensor:
+            held = _get_grad(master) is not None
             master.__class__ = FusedMaster
+            master._apex_lite_held = held
+            if master.requires_grad:
+                master.register_post_accumulate_grad_hook(_grad_arrived)
         if type(master) is FusedMaster:
             master._apex_lite_owner = ref
 
@@ -105,4 +121,5 @@ def release(masters: Iterable[torch.Tensor]) -> None:
     for master in masters:
         if type(master) is FusedMaster:
             master.__dict__.pop("_apex_lite_owner", None)
+            master.__dict__.pop("_apex_lite_held", None)
             master.__class__ = torch.Tensor

@@ -14,9 +14,10 @@ Gradient bookkeeping per optimizer (``grad_state``):
 - SCALED: gradients hold a backward still multiplied by the loss scale (``delay_unscale=True``);
 - UNSCALED: gradients hold true values (under O2 in the masters' fp32 gradients); another
   backward is accumulated with ``axpby`` into them;
-- CHECKED (the fused step only): the model's gradients hold one backward (or a delay_unscale
+- CHECKED (the fused step only): the half model gradients hold one backward (or a delay_unscale
   accumulation) still multiplied by the loss scale, checked for inf/NaN when its ``scale_loss``
-  exited; the step's kernel unscales them. Another backward, or ``amp.master_params``, first
+  exited; the step's kernel unscales them (the fp32 parameters' were unscaled in place then).
+  A read of a master's ``.grad`` makes them UNSCALED first (master_grads.py). Another backward, or ``amp.master_params``, first
   unscales them into the masters' gradients (UNSCALED).
 
 How the update is applied is the optimizer's step path (``step_path.py``), chosen at
@@ -34,8 +35,9 @@ next one unless the model's gradients were left uncleared, as plain torch would 
 
 What ``step()`` refuses, before it changes anything: a step inside the ``scale_loss`` block (the
 gradients are still scaled), gradients still scaled by ``delay_unscale``, a ``scale_loss`` block
-that ran no backward, a second step on the same gradients, and gradients that no ``scale_loss``
-for this optimizer unscaled (a backward outside ``scale_loss``, or a ``scale_loss`` that fed this
+that ran no backward, a second step on the same gradients, an O2 model's half gradient edited
+after its ``scale_loss`` (grad_edits.py; also refused by the next ``scale_loss`` of an
+accumulation), and gradients that no ``scale_loss`` for this optimizer unscaled (a backward outside ``scale_loss``, or a ``scale_loss`` that fed this
 optimizer's parameters without being given the optimizer).
 """
 from __future__ import annotations

@@ -7,14 +7,17 @@ Each amp optimizer has one step path, chosen by ``initialize`` (``choose``):
   the masters into the half model. Any optimizer, any opt level.
 - ``FusedStep`` (O2, an optimizer whose update ``apex_lite.optimizers`` computes, and native
   kernels for its device, or ``fused_step=True``): the end of
-  the first ``scale_loss`` of a step only checks the gradients for inf/NaN (read-only, into the
-  overflow flag) and leaves them scaled (CHECKED); ``step()`` is one kernel pass per bucket that
+  the first ``scale_loss`` of a step only checks the half gradients for inf/NaN (read-only, into
+  the overflow flag) and leaves them scaled (CHECKED), and unscales in place those of parameters
+  that are their own masters (kept fp32, FSDP2's shards: they hold their true gradient after the
+  block, as on the unfused step); ``step()`` is one kernel pass per bucket that
   reads the half gradient, unscales it, updates the fp32 master and the optimizer's state, and
   writes the rounded half parameter, and changes nothing where the step's ``found_inf`` flag is
   set. No fp32 master gradient is held, and with the loss scale on the device (every optimizer of
-  the run fused) nothing is read on the host. A second backward before the step, or
-  ``amp.master_params``, unscales the CHECKED gradients into fp32 master gradients (UNSCALED) and
-  the step reads those.
+  the run fused) nothing is read on the host. A second backward before the step,
+  ``amp.master_params``, or a read of a master's ``.grad`` (the masters are ``FusedMaster``s,
+  master_grads.py) unscales the CHECKED gradients into fp32 master gradients (UNSCALED) and the
+  step reads those, with whatever was done to them.
 
 Both paths share ``AmpOptimizer``'s bookkeeping: what accumulates, what ``step()`` refuses, which
 optimizer skips. A path decides three things only: what the end of a ``scale_loss`` does with the
