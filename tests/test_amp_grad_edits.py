@@ -448,3 +448,40 @@ def test_unread_gradients_are_not_materialised_on_the_fused_step():
     _backward(model, opt, 1)
     assert half_masters[-1].grad is not None     # one read makes them all
     assert all(_RAW_GRAD.__get__(m) is not None for m in half_masters)
+
+
+# ---- the watch itself, on both backends ---------------------------------------------------------
+
+def _watches():
+    from apex_lite.multi_tensor import _python
+    from apex_lite.multi_tensor._backend import ops_for
+    watches = {"python": _python.watch_grads}
+    native = ops_for(torch.device("cpu"))
+    if native is not _python:
+        watches["native"] = native.watch_grads
+    return watches
+
+
+@pytest.mark.parametrize("edit, changed", [
+    ("nothing", -1), ("in-place", 1), ("view in-place", 2), ("replaced", 0),
+    ("set to None", -1), ("cleared", -1), ("not recorded", -1)])
+def test_the_watch_sees_in_place_edits_and_new_tensors_alike_on_both_backends(edit, changed):
+    for backend, make in _watches().items():
+        params = [torch.zeros(3, requires_grad=True) for _ in range(3)]
+        for p in params:
+            p.grad = torch.ones(3)
+        watch = make(params)
+        if edit != "not recorded":
+            watch.record()
+        if edit == "in-place":
+            params[1].grad.mul_(0.5)
+        elif edit == "view in-place":
+            params[2].grad[1:].zero_()
+        elif edit == "replaced":
+            params[0].grad = params[0].grad.clone()
+        elif edit == "set to None":
+            params[1].grad = None
+        elif edit == "cleared":
+            params[1].grad.mul_(2.0)
+            watch.clear()
+        assert watch.changed() == changed, backend
