@@ -39,3 +39,12 @@ def test_without_injection_no_rank_skips(tmp_path):
         assert r["skipped"] == [False] * 3
     for a, b in zip(results[0]["params"], results[1]["params"]):
         assert torch.equal(a, b)
+
+
+def test_an_explicit_process_group_is_the_one_the_overflow_flag_is_reduced_over(tmp_path):
+    """Each rank passes initialize(process_group=) a group of itself alone: rank 1's overflow
+    skips its step only (over the default group, both ranks would skip it)."""
+    results = run_ranks(tmp_path, extra=("--steps", "3", "--inject-step", "1", "--inject-rank",
+                                         "1", "--own-group"))
+    assert results[0]["skipped"] == [False] * 3
+    assert results[1]["skipped"] == [False, True, False]

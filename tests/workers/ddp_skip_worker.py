@@ -5,6 +5,7 @@ Trains a DDP-wrapped O2 model for a few steps on gloo. At the step named by --in
 overflow check sees it. Saves the parameters, the loss scale and the skip history to --out.
 """
 import argparse
+import gc
 import os
 
 import torch
@@ -23,14 +24,20 @@ def main():
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--inject-step", type=int, default=2)
     parser.add_argument("--inject-rank", type=int, default=1)
+    parser.add_argument("--own-group", action="store_true",
+                        help="pass initialize(process_group=) a group of this rank alone")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    # Every rank creates every group (new_group is collective); each passes its own.
+    groups = [dist.new_group([r]) for r in range(dist.get_world_size())] if args.own_group \
+        else None
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0,
+                                      process_group=groups[rank] if groups else None)
     model = DDP(model)
 
     data = torch.Generator().manual_seed(100 + rank)
@@ -56,7 +63,11 @@ def main():
     # order joins them in ~Reducer holding it, and can hang). A gloo thread still running at exit
     # can free a tensor during finalization and abort ("terminate called without an active
     # exception"); the check below fails loudly instead if that would be possible.
-    del model
+    # The amp run holds an explicit group (and the optimizer, the loss scaler and the loss the
+    # run): let them all go too.
+    del model, optimizer, groups, scaler, loss, scaled_loss
+    amp.initialize([], enabled=False)
+    gc.collect()
     dist.destroy_process_group()
     leftover = gloo_threads()
     if leftover:

@@ -36,9 +36,9 @@ from typing import List, Sequence, Tuple
 
 import torch
 
-from . import multi_tensor
-from .multi_tensor._backend import ops_for
-from .optimizers.update import unit_scalars
+from .. import multi_tensor
+from ..multi_tensor._backend import ops_for
+from ..optimizers.update import unit_scalars
 
 __all__ = ["MultiTensorApply", "multi_tensor_applier", "multi_tensor_scale",
            "multi_tensor_axpby", "multi_tensor_l2norm", "multi_tensor_sgd", "multi_tensor_adam",
