@@ -258,28 +258,8 @@ def test_an_explicit_amp_load_state_dict_after_it_wins():
     assert _scaler_state()[0] == {"loss_scale": 32768.0, "unskipped": 0}
 
 
-@pytest.mark.parametrize("damage,message", [
-    (lambda s: s.update({AMP_STATE_KEY: 3}), "entry is a int, not the dict"),
-    (lambda s: s[AMP_STATE_KEY].update(loss_scaler1=dict(s[AMP_STATE_KEY]["loss_scaler0"])),
-     "holds 2 loss scaler(s)"),
-    (lambda s: s[AMP_STATE_KEY]["apex_lite"].update(opt_level="O1"), "saved at opt_level 'O1'"),
-    (lambda s: s[AMP_STATE_KEY]["loss_scaler0"].update(loss_scale=float("inf")),
-     "must be a positive finite number"),
-    (lambda s: s[AMP_STATE_KEY]["apex_lite"].update(master_weights=[]),
-     "not those an amp optimizer.state_dict() writes"),
-])
-def test_a_state_that_does_not_fit_changes_nothing(damage, message):
-    model, opt = _setup("O2")
-    _train(model, opt, range(2))
-    saved = opt.state_dict()
-    _train(model, opt, range(2, 4), overflow_at={2})
-    before, before_scaler = snapshot(model, opt), _scaler_state()
-    damage(saved)
-    with pytest.raises(ValueError) as info:
-        opt.load_state_dict(saved)
-    assert message in str(info.value) and "optimizer 0 (Adam).load_state_dict" in str(info.value)
-    assert_bitwise_equal(before, snapshot(model, opt))
-    assert _scaler_state() == before_scaler
+# An amp part that does not fit the run (damaged, another number of losses) is left out with one
+# WARNING while torch's part loads: test_amp_resume_levels.py (issue 31).
 
 
 def test_when_torch_refuses_the_optimizer_state_the_scalers_stay():

@@ -159,7 +159,7 @@ def _mutate(path, value):
     (_mutate(["loss_scaler0", "unskipped"], "3"), "must be a non-negative int"),
     (_mutate(["loss_scaler0", "extra"], 1), "apex's format"),
     (_mutate(["apex_lite", "version"], 7), "has version 7; this apex_lite reads version 1"),
-    (_mutate(["apex_lite", "opt_level"], "O1"), "saved at opt_level 'O1' but this run uses 'O2'"),
+    (_mutate(["apex_lite", "opt_level"], "O7"), "opt_level is 'O7', which is not an opt level"),
     (_mutate(["apex_lite", "master_weights", 0, 0], torch.zeros(3)), "saved master weight for "
                                                                      "'fc1.weight'"),
     (_mutate(["apex_lite", "master_weights", 0], []), "holds 0 master weights for model 0"),

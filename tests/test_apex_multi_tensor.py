@@ -490,5 +490,5 @@ def test_ops_apex_has_and_apex_lite_does_not_are_named():
         amp_C.multi_tensor_novograd
     with pytest.raises(AttributeError, match="use apex_lite.optimizers.FusedAdam"):
         amp_C.multi_tensor_adam_capturable
-    assert not hasattr(amp_C, "multi_tensor_l2norm_mp")
+    assert not hasattr(amp_C, "multi_tensor_l2norm_scale")
     assert set(amp_C.AMP_C_OPS) <= set(amp_C.__all__)

@@ -22,7 +22,7 @@ from .init_checks import as_list as _as_list
 # The hooks kept with a model, importable where models pickled before model_hooks.py find them.
 from .model_hooks import (_DtypeGuard, _Fp32StateDict, _MastersFollowModelLoads,  # noqa: F401
                           _ModelZeroGrad)
-from .opt_levels import OPT_LEVELS, resolve_properties
+from .opt_levels import HALF_DTYPES, OPT_LEVELS, resolve_properties
 from .optimizer import MARK as _MARK, AmpOptimizer
 from .overflow import OverflowCheck, is_logging_rank
 from .run import _DisabledRun, _Run
@@ -77,7 +77,7 @@ class AmpHandle:
                                      hysteresis, scale_window, overflow_patience, sync_interval)
         init_checks.check_fused_step(fused_step)
         keep_fp32_modules = init_checks.keep_fp32_rules(keep_fp32_modules, properties, model_list)
-        casts_to_half = properties.cast_model_type in (torch.float16, torch.bfloat16)
+        casts_to_half = properties.cast_model_type in HALF_DTYPES
         sharding = fsdp.inspect(model_list)
         if sharding is not None:
             kept = [casting.modules_kept_fp32(m, bool(properties.keep_batchnorm_fp32),
@@ -235,19 +235,19 @@ class AmpHandle:
 
     def load_state_dict(self, state_dict) -> None:
         """Load what ``state_dict`` (ours or apex's) wrote; refuses, changing nothing, a state
-        that does not fit this run."""
+        that does not fit this run. A state saved at another opt level loads what carries over
+        (``saved_state.Accepted``)."""
         run = self._run
         if run is None:
             raise RuntimeError("amp.load_state_dict was called before amp.initialize. Call "
-                               "amp.initialize (with the opt level of the saved run) first, then "
-                               "load the model, optimizer and amp states.")
+                               "amp.initialize first (at the saved run's opt level or another), "
+                               "then load the model, optimizer and amp states.")
         if not isinstance(state_dict, dict):
             raise TypeError(f"amp.load_state_dict takes the dict amp.state_dict() returned, got "
                             f"{type(state_dict).__name__}")
         if not run.enabled:
             return
-        saved_state.check_state(run, state_dict, with_masters=True)
-        saved_state.apply_state(run, state_dict)
+        saved_state.load_amp_state(run, state_dict)
 
     # ---- helpers ----------------------------------------------------------------------------
     def loss_scalers(self) -> List[LossScaler]:

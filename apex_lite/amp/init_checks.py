@@ -10,8 +10,15 @@ from typing import Dict, Optional
 import torch
 
 from . import casting
-from .opt_levels import Properties
+from .opt_levels import HALF_DTYPES, Properties
 from .optimizer import MARK
+
+
+# The rule that initialize and add_param_group enforce, and why.
+ONE_OPTIMIZER = ("under amp each parameter belongs to one optimizer (a scale_loss given both "
+                 "would unscale its gradient twice, and each step() would apply it again). Give "
+                 "each parameter to one optimizer, or use one optimizer with a param group per "
+                 "learning rate.")
 
 
 def as_list(value, kind: type, what: str):
@@ -156,7 +163,7 @@ def keep_fp32_rules(keep_fp32_modules, properties: Properties, models) -> tuple:
     if isinstance(keep_fp32_modules, (str, type)):
         keep_fp32_modules = (keep_fp32_modules,)
     keep_fp32_modules = tuple(keep_fp32_modules)
-    if keep_fp32_modules and properties.cast_model_type not in (torch.float16, torch.bfloat16):
+    if keep_fp32_modules and properties.cast_model_type not in HALF_DTYPES:
         raise ValueError(f"keep_fp32_modules keeps modules fp32 inside a model cast to half "
                          f"(O2, O3), but {properties.opt_level} does not cast the model to half")
     casting.check_keep_rules(models, keep_fp32_modules)
@@ -190,9 +197,5 @@ def check_optimizer_params(run, optimizers) -> None:
         for p in {id(p): p for g in opt.param_groups for p in g["params"]}.values():
             first = owner.setdefault(id(p), i)
             if first != i:
-                raise ValueError(
-                    f"parameter {run.param_name(p)!r} is in optimizer {first} and in "
-                    f"optimizer {i}; under amp each parameter belongs to one optimizer (a "
-                    f"scale_loss given both would unscale its gradient twice, and each "
-                    f"step() would apply it again). Give each parameter to one optimizer, "
-                    f"or use one optimizer with a param group per learning rate.")
+                raise ValueError(f"parameter {run.param_name(p)!r} is in optimizer {first} and "
+                                 f"in optimizer {i}; {ONE_OPTIMIZER}")

@@ -22,6 +22,12 @@ from . import fsdp
 
 Scale = Union[float, torch.Tensor]
 
+# What to do about a model moved after ``initialize`` (the optimizer and the masters still hold
+# the tensors of the old place).
+MOVED_FIX = ("Move the model before initializing (model.to(device); then model, optimizer = "
+             "amp.initialize(model, optimizer, ...)), or build a fresh model and optimizer on "
+             "the new device, load their state_dicts and call amp.initialize again.")
+
 
 def make_masters(run, index: int, model: torch.nn.Module, kept_params: set) -> None:
     """O2, before the cast rounds them: the fp32 values of model ``index``'s floating-point
@@ -162,6 +168,28 @@ class MasterWeights:
 
     def masters(self) -> List[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def check_devices(self, caller: str, name_of: Callable[[torch.Tensor], str]) -> None:
+        """Raise when the model was moved after ``initialize``: the first and last parameter of
+        each device group must still be where they were (a cheap check; ``model.to(device)``
+        moves them all, and a partial move is caught by ``raise_moved`` when the kernels
+        refuse)."""
+        for device, group in self.groups().items():
+            for tensors in (group.model_params, group.masters):
+                if tensors[0].device != device or tensors[-1].device != device:
+                    self.raise_moved(caller, name_of)
+
+    def raise_moved(self, caller: str, name_of: Callable[[torch.Tensor], str]) -> None:
+        """Raise the explanation when a parameter is no longer on the device it had at
+        ``initialize``; return when none moved."""
+        for device, group in self.groups().items():
+            for model_param, master in zip(group.model_params, group.masters):
+                for tensor, what in ((model_param, "model parameter"), (master, "master weight")):
+                    if tensor.device != device:
+                        raise RuntimeError(
+                            f"{caller}: {what} {name_of(model_param)!r} is on {tensor.device} "
+                            f"but was on {device} when amp.initialize ran: the model was moved "
+                            f"after amp.initialize. {MOVED_FIX}")
 
     # ---- the gradients of a backward --------------------------------------------------------
     def stash_grads(self) -> Dict[int, torch.Tensor]:

@@ -10,6 +10,10 @@ On each model ``initialize`` prepares (``hang_on_model``):
 - ``_MastersFollowModelLoads`` (load_state_dict pre- and post-hooks, O2): loading the model
   after ``initialize`` updates the masters, which the optimizer steps.
 
+On each O2 half parameter, its master (``Fp32Values``, an attribute): both hooks find the fp32
+values from the parameter itself, never by module or name, so a tied parameter gives its master
+under every name, and a copy of the model (deepcopy, ``torch.save(model)``) its own weights.
+
 On each model parameter an amp optimizer updates (``BackwardWatches``):
 - ``_ForeignBackward`` (post-accumulate-grad hook): a backward outside the ``scale_loss``
   blocks given that optimizer is remembered, and its ``step()`` refuses.
@@ -28,6 +32,8 @@ import weakref
 from typing import Dict, List
 
 import torch
+
+from .opt_levels import HALF_DTYPES
 
 
 class _BackwardWatch:
@@ -87,67 +93,120 @@ class _ModelZeroGrad:
         return {"model": self.model, "run": None}
 
 
-class _MastersFollowModelLoads:
-    """Keep O2 masters in step with ``model.load_state_dict`` after initialize: an incoming fp32
-    value becomes the master exactly; an incoming half value replaces the master only when it
-    differs from the master's rounding (so loading the half weights a run saved keeps the masters
-    that ``amp.load_state_dict`` restored, in either order). A module-level class with bound-
-    method hooks, so that the model still pickles."""
+# ---- a half parameter's fp32 values, found from the parameter itself -------------------------
 
-    def __init__(self, pairs: List[tuple]):
-        self.pairs = pairs
+FP32_ATTR = "_apex_lite_fp32"
+
+
+class Fp32Values:
+    """The fp32 values a half parameter carries, kept on the parameter itself
+    (``param._apex_lite_fp32``). A tied parameter is one object under all its names, and a copy
+    of the model makes new parameters, so tying and copying both follow from where the values
+    live; the model's hooks hold none.
+
+    ``live``: O2's master, which the run's optimizer steps; it is the parameter's truth. Pickled
+    with the model (``torch.save(model)``, a spawned worker) it becomes the copy's carried
+    values, not live: the copy trusts them only while they round to its parameter.
+    ``copy.deepcopy`` of a parameter keeps no attributes (torch's ``Parameter.__deepcopy__``), so
+    a deep copy (an EMA, ``AveragedModel``) carries none."""
+
+    __slots__ = ("tensor", "live")
+
+    def __init__(self, tensor: torch.Tensor, live: bool):
+        self.tensor = tensor
+        self.live = live
+
+    def __reduce__(self):
+        return Fp32Values, (self.tensor.detach(), False)
+
+
+def fp32_truth(param: torch.Tensor) -> torch.Tensor:
+    """What a checkpoint holds for ``param``: its live master; else the fp32 values it carries,
+    where they round to it; else the parameter itself, upcast when half (exact)."""
+    values = getattr(param, FP32_ATTR, None)
+    if values is not None:
+        fp32 = values.tensor
+        if values.live or (fp32.shape == param.shape
+                           and torch.equal(fp32.to(param.dtype), param)):
+            return fp32.detach()
+    return param.detach().float() if param.dtype in HALF_DTYPES else param.detach()
+
+
+class _MastersFollowModelLoads:
+    """Keep the fp32 values a parameter carries (O2's masters; a pickled copy's carried values)
+    in step with ``model.load_state_dict``. An incoming fp32 value becomes them exactly and the
+    half parameter their rounding; for a tied parameter, the first of its names in
+    ``named_parameters`` order that the state holds. Otherwise an incoming half value replaces
+    them only when it differs from their rounding (so loading the half weights a run saved keeps
+    the masters that ``amp.load_state_dict`` restored, in either order). The values are found
+    from the parameters at each load and the hooks hold nothing, so a copy of the model (which
+    copies its hooks) follows its own parameters. A module-level class with bound-method hooks,
+    so that the model still pickles (one pickled before held ``pairs``, now unused)."""
+
+    def __init__(self):
         self.incoming: Dict[int, torch.Tensor] = {}
 
     def capture(self, module, state_dict, prefix, *args):
         self.incoming.clear()
-        for name, _, master in self.pairs:
+        for name, param in module.named_parameters(remove_duplicate=False):
+            if getattr(param, FP32_ATTR, None) is None or id(param) in self.incoming:
+                continue
             value = state_dict.get(prefix + name)
             if isinstance(value, torch.Tensor) and value.dtype == torch.float32 \
-                    and value.shape == master.shape:
-                self.incoming[id(master)] = value
+                    and value.shape == param.shape:
+                self.incoming[id(param)] = value
 
     def apply(self, module, incompatible_keys):
         with torch.no_grad():
-            for _, model_param, master in self.pairs:
-                value = self.incoming.get(id(master))
+            for param in module.parameters():
+                values = getattr(param, FP32_ATTR, None)
+                if values is None:
+                    continue
+                value = self.incoming.get(id(param))
                 if value is not None:
-                    master.copy_(value)
-                elif not torch.equal(master.to(model_param.dtype), model_param):
-                    master.copy_(model_param)
+                    values.tensor.copy_(value)
+                    param.copy_(values.tensor)   # torch wrote the last name's value
+                elif not torch.equal(values.tensor.to(param.dtype), param):
+                    values.tensor.copy_(param)
         self.incoming.clear()
 
 
 class _Fp32StateDict:
-    """``state_dict()`` of a model cast to half holds fp32, as apex's did, and better: under O2
-    each parameter's fp32 master itself (exact: a model checkpoint alone resumes bit for bit and
-    loads into a plain fp32 model); every other half tensor (O3's parameters, half buffers)
-    upcast to fp32, which is exact. fp32-kept modules are fp32 already. A state_dict post-hook
-    of a module-level class, so that the model still pickles."""
-
-    def __init__(self, pairs: List[tuple]):
-        self.masters = {name: master for name, _, master in pairs}
+    """``state_dict()`` of a model cast to half holds fp32, as apex's did, and better: under all
+    the names of a parameter one tensor, its ``fp32_truth`` (under O2 the master itself: exact,
+    so a model checkpoint alone resumes bit for bit and loads into a plain fp32 model); every
+    other half tensor (half buffers) upcast to fp32, which is exact. fp32-kept modules are fp32
+    already. A state_dict post-hook of a module-level class that holds nothing, so that the model
+    still pickles and a copy of it gives its own weights (one pickled before held ``masters``,
+    now unused)."""
 
     def __call__(self, module, state_dict, prefix, local_metadata) -> None:
+        truths: Dict[int, torch.Tensor] = {}
+        for name, param in module.named_parameters(remove_duplicate=False):
+            key = prefix + name
+            if isinstance(state_dict.get(key), torch.Tensor):
+                truth = truths.get(id(param))
+                if truth is None:
+                    truth = truths[id(param)] = fp32_truth(param)
+                state_dict[key] = truth
         for key, value in state_dict.items():
-            if not key.startswith(prefix) or not isinstance(value, torch.Tensor):
-                continue
-            master = self.masters.get(key[len(prefix):])
-            if master is not None:
-                state_dict[key] = master.detach()
-            elif value.dtype in (torch.float16, torch.bfloat16):
+            if key.startswith(prefix) and isinstance(value, torch.Tensor) \
+                    and value.dtype in HALF_DTYPES:
                 state_dict[key] = value.detach().float()
 
 
 def hang_on_model(model: torch.nn.Module, run, index: int, cast_to_half: bool) -> None:
     """Hang the model's hooks (see the module's docstring) on model ``index`` of ``run``, after
-    its cast and its masters were made."""
+    its cast and its masters were made; each O2 master on its half parameter (``Fp32Values``)."""
     pairs = run.master_pairs[index]
     if cast_to_half:
         if pairs:
-            follower = _MastersFollowModelLoads(pairs)
+            for _, model_param, master in pairs:
+                setattr(model_param, FP32_ATTR, Fp32Values(master, live=True))
+            follower = _MastersFollowModelLoads()
             model.register_load_state_dict_pre_hook(follower.capture)
             model.register_load_state_dict_post_hook(follower.apply)
-        model.register_state_dict_post_hook(_Fp32StateDict(pairs))
+        model.register_state_dict_post_hook(_Fp32StateDict())
     model.zero_grad = _ModelZeroGrad(model, run)
     model.register_forward_pre_hook(_DtypeGuard(run, index))
 

@@ -1,4 +1,4 @@
-"""An optimizer under amp: unscaling its gradients, skipping its step, and O2's master weights.
+"""An optimizer under amp: its gradients' states, what its ``step()`` refuses, and when it skips.
 
 ``initialize`` patches three methods on the optimizer instance (its class and its identity stay,
 so LR schedulers created before or after keep working): ``step``, ``zero_grad`` and
@@ -47,12 +47,13 @@ from typing import Dict, List, Optional
 
 import torch
 
-from . import fsdp, master_grads
+from . import fsdp_norms, master_grads
 from .grad_edits import HalfGradEdits
 from .masters import MasterWeights, _DeviceGroup
 from .model_hooks import BackwardWatches
 from .overflow import OverflowCheck
-from .saved_state import AMP_STATE_KEY, OptimizerAmpState  # noqa: F401 (AMP_STATE_KEY: its old home)
+# AMP_STATE_KEY is also importable here, where it was defined before saved_state.py.
+from .saved_state import AMP_STATE_KEY, OptimizerAmpState  # noqa: F401
 from .scaler import BackwardScale
 
 CLEAN, SCALED, UNSCALED, CHECKED = "clean", "scaled", "unscaled", "checked"
@@ -123,29 +124,12 @@ class AmpOptimizer:
         return self.weights.masters()
 
     def check_devices(self, caller: str) -> None:
-        """Raise when the model was moved after ``initialize``: the first and last parameter of
-        each device group must still be where they were (a cheap check; ``model.to(device)``
-        moves them all, and a partial move is caught by ``find_moved`` when the kernels refuse)."""
-        for device, group in self.groups().items():
-            for tensors in (group.model_params, group.masters):
-                if tensors[0].device != device or tensors[-1].device != device:
-                    self.raise_moved(caller)
+        """Raise when the model was moved after ``initialize`` (``MasterWeights.check_devices``)."""
+        self.weights.check_devices(caller, self.run.param_name)
 
     def raise_moved(self, caller: str) -> None:
-        """Raise the explanation when a parameter is no longer on the device it had at
-        ``initialize``; return when none moved."""
-        for device, group in self.groups().items():
-            for model_param, master in zip(group.model_params, group.masters):
-                for tensor, what in ((model_param, "model parameter"), (master, "master weight")):
-                    if tensor.device != device:
-                        raise RuntimeError(
-                            f"{caller}: {what} {self.run.param_name(model_param)!r} is on "
-                            f"{tensor.device} but was on {device} when amp.initialize ran: the "
-                            f"model was moved after amp.initialize. Move the model before "
-                            f"initializing (model.to(device); then model, optimizer = "
-                            f"amp.initialize(model, optimizer, ...)), or build a fresh model and "
-                            f"optimizer on the new device, load their state_dicts and call "
-                            f"amp.initialize again.")
+        """Raise the explanation when a parameter is no longer on its device; else return."""
+        self.weights.raise_moved(caller, self.run.param_name)
 
     # ---- scale_loss's two halves ----------------------------------------------------------
     def check_can_accumulate(self, scale: BackwardScale) -> None:
@@ -310,7 +294,7 @@ class AmpOptimizer:
         for grad in grads:
             by_device.setdefault(grad.device, []).append(grad)
         # Whole-tensor norms (FSDP2's shards summed over the mesh): every rank decides alike.
-        norms = [fsdp.squared_norm(tensors).to("cpu") for tensors in by_device.values()]
+        norms = [fsdp_norms.squared_norm(tensors).to("cpu") for tensors in by_device.values()]
         if float(torch.cat(norms).sum()) == 0.0:
             return   # zeros left by zero_grad(set_to_none=False): a no-op step, as in torch
         raise RuntimeError(

@@ -12,9 +12,9 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from . import casting, diagnostics, fsdp, masters, model_hooks, step_path
+from . import casting, diagnostics, fsdp, init_checks, masters, model_hooks, step_path
 from .init_checks import describe as _describe
-from .opt_levels import Properties
+from .opt_levels import HALF_DTYPES, Properties
 from .optimizer import MARK, AmpOptimizer
 from .overflow import DecisionLog, FlagPool
 from .scaler import LossScaler
@@ -98,7 +98,7 @@ class _Run:
                 continue
             if fsdp.registered_unsharded(first, now):
                 continue   # FSDP2 keeps the unit unsharded between its forward and backward
-            label = f"model {i}" if len(self.models) > 1 else "the model"
+            label = self.model_label(i)
             if self.sharding is None and fsdp.newly_sharded(self.models[i]):
                 raise fsdp.sharded_after_initialize(caller, label)
             what = (f"its parameters are now on {now.device}, but were on {device} when "
@@ -108,18 +108,19 @@ class _Run:
                     f"or reassigning parameters replaces them)")
             raise RuntimeError(
                 f"{caller}: {label} was moved after amp.initialize: {what}. The optimizer and "
-                f"amp's master weights still hold the old tensors. Move the model before "
-                f"initializing (model.to(device); then model, optimizer = amp.initialize(model, "
-                f"optimizer, ...)), or build a fresh model and optimizer on the new device, load "
-                f"their state_dicts and call amp.initialize again.")
+                f"amp's master weights still hold the old tensors. {masters.MOVED_FIX}")
         self.check_dtypes(caller)
+
+    def model_label(self, index: int) -> str:
+        """How messages name model ``index``: "the model" when it is the only one."""
+        return f"model {index}" if len(self.models) > 1 else "the model"
 
     def check_dtypes(self, caller: str, model_index: Optional[int] = None) -> None:
         """Raise when a model's parameters changed dtype after ``initialize`` (all models, or
         the one at ``model_index``); a few attribute reads."""
         for i, name, param, dtype in self.dtype_probes:
             if param.dtype != dtype and (model_index is None or i == model_index):
-                label = f"model {i}" if len(self.models) > 1 else "the model"
+                label = self.model_label(i)
                 raise RuntimeError(
                     f"{caller}: the dtype of {label} changed after amp.initialize: parameter "
                     f"{name!r} is now {param.dtype} but was {dtype} when amp.initialize set it "
@@ -136,12 +137,8 @@ class _Run:
         for p in params:
             other = owned.get(id(p))
             if other is not None:
-                raise ValueError(
-                    f"{caller}: parameter {self.param_name(p)!r} is already updated by "
-                    f"{other.label()}; under amp each parameter belongs to one optimizer (a "
-                    f"scale_loss given both would unscale its gradient twice, and each step() "
-                    f"would apply it again). Give each parameter to one optimizer, or use one "
-                    f"optimizer with a param group per learning rate.")
+                raise ValueError(f"{caller}: parameter {self.param_name(p)!r} is already "
+                                 f"updated by {other.label()}; {init_checks.ONE_OPTIMIZER}")
 
     def model_zeroed(self, model: torch.nn.Module, set_to_none: bool) -> None:
         """``model.zero_grad()`` was called: clear what amp keeps for those parameters."""
@@ -192,7 +189,7 @@ def prepare_model(run: _Run, index: int, model: torch.nn.Module, keep_fp32_modul
     marked as initialised."""
     props = run.properties
     cast_type = props.cast_model_type
-    if cast_type in (torch.float16, torch.bfloat16):
+    if cast_type in HALF_DTYPES:
         keep_bn = bool(props.keep_batchnorm_fp32)
         kept = casting.modules_kept_fp32(model, keep_bn, keep_fp32_modules)
         run.kept_fp32[index] = [name for name, _ in kept]
@@ -217,12 +214,11 @@ def prepare_model(run: _Run, index: int, model: torch.nn.Module, keep_fp32_modul
     elif props.cast_model_outputs is not None:
         casting.wrap_forward(model, output_dtype=props.cast_model_outputs)
     model_hooks.hang_on_model(model, run, index,
-                              cast_to_half=cast_type in (torch.float16, torch.bfloat16))
+                              cast_to_half=cast_type in HALF_DTYPES)
     setattr(model, MARK, props.opt_level)
 
 
-def take_over_optimizer(run: _Run, opt: torch.optim.Optimizer,
-                         unfused_why: str) -> None:
+def take_over_optimizer(run: _Run, opt: torch.optim.Optimizer, unfused_why: str) -> None:
     """Hand ``opt`` its masters and patch it (``AmpOptimizer``) onto the step path chosen."""
     for group in opt.param_groups:
         group["params"] = run.masters_for(group["params"], "amp.initialize")

@@ -6,13 +6,24 @@ bitwise resume needs). Each amp optimizer's own ``state_dict()`` carries the sca
 ``AMP_STATE_KEY`` (``OptimizerAmpState``), so that a framework that saves only the model and the
 optimizer resumes the loss scale and its counters; a plain torch optimizer's ``load_state_dict``
 ignores that key. Either is checked whole before anything is loaded (``check_state``).
+
+A state saved at another opt level is a legitimate resume: what carries over loads
+(``Accepted``). ``amp.load_state_dict`` says at INFO what it left out; an optimizer's
+``load_state_dict`` always loads torch's part and leaves out what of the amp part does not fit,
+with one WARNING.
 """
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
-from typing import Optional
+from typing import List, Optional
 
 import torch
+
+from .opt_levels import OPT_LEVELS, Properties
+from .overflow import is_logging_rank
+
+logger = logging.getLogger("apex_lite.amp")
 
 STATE_KEY = "apex_lite"
 STATE_VERSION = 1
@@ -43,10 +54,55 @@ def scaler_state(run) -> dict:
     return state
 
 
-def check_state(run, state_dict: dict, *, with_masters: bool) -> None:
-    """Raise ValueError, changing nothing, when ``state_dict`` (what ``amp.state_dict()`` or
-    apex wrote; with ``with_masters=False``, what ``scaler_state()`` wrote) does not fit
-    ``run``."""
+class Accepted:
+    """What of a checked amp state loads into a run. At the run's own opt level (or from apex,
+    which records none): all of it. At another level: the loss scale and its counters only
+    between levels whose scaling is dynamic (O1 and O2; the saved level's default tells the
+    saved side, the run's own scaling this side); a static scale stays the run's own; O2's
+    master weights are needed by no other level (the model's ``state_dict()`` holds the fp32
+    weights at every level) and are left out."""
+
+    def __init__(self, properties: Properties, saved_level: Optional[str], holds_masters: bool):
+        self.level = properties.opt_level
+        self.saved_level = saved_level
+        self.other_level = saved_level is not None and saved_level != self.level
+        saved_dynamic = saved_level is not None and OPT_LEVELS[saved_level].loss_scale == "dynamic"
+        self.scalers = not self.other_level or (properties.dynamic and saved_dynamic)
+        self.masters = not self.other_level
+        self.left_out: List[str] = []
+        if not self.scalers:
+            why = (f"this run keeps its static loss scale {properties.loss_scale}"
+                   if not properties.dynamic else
+                   f"{saved_level}'s scale is static; this run's dynamic scale starts afresh")
+            self.left_out.append(f"the loss scale and its counters ({why})")
+        if not self.masters and holds_masters:
+            self.left_out.append(f"{saved_level}'s master weights (no other level needs them: "
+                                 f"the model's state_dict() holds the fp32 weights)")
+
+    def describe(self) -> str:
+        """What loads and what is left out, and why."""
+        restored = "the loss scale and its counters" if self.scalers else "nothing"
+        text = (f"the amp state was saved at opt_level {self.saved_level!r} and this run uses "
+                f"{self.level!r}: restored {restored}")
+        if self.left_out:
+            text += f"; left out {' and '.join(self.left_out)}"
+        return text
+
+
+def load_amp_state(run, state_dict: dict) -> None:
+    """``amp.load_state_dict``: check ``state_dict`` whole (raising, changing nothing, when it
+    does not fit), say at INFO what of a state saved at another opt level was left out, load."""
+    accepted = check_state(run, state_dict, with_masters=True)
+    if accepted.other_level and run.verbosity >= 1 and is_logging_rank():
+        logger.info("amp.load_state_dict: %s.", accepted.describe())
+    apply_state(run, state_dict, accepted)
+
+
+def check_state(run, state_dict: dict, *, with_masters: bool) -> Accepted:
+    """What of ``state_dict`` (what ``amp.state_dict()`` or apex wrote; with
+    ``with_masters=False``, what ``scaler_state()`` wrote) loads into ``run``. Raises
+    ValueError, changing nothing, when it is not an amp state, holds another number of losses,
+    or holds values that are damaged or (where they would load) do not fit ``run``."""
     _refuse_what_is_not_an_amp_state(state_dict)
     n = len(run.scalers)
     expected = {f"loss_scaler{i}" for i in range(n)}
@@ -70,20 +126,25 @@ def check_state(run, state_dict: dict, *, with_masters: bool) -> None:
     extra = state_dict.get(STATE_KEY)
     if extra is not None:
         _check_extra(run, extra, with_masters)
+    accepted = Accepted(run.properties, None if extra is None else extra["opt_level"],
+                        with_masters and extra is not None and any(extra["master_weights"]))
     for scaler in run.scalers:
         key = f"loss_scaler{scaler.loss_id}"
         scaler.check_state(key, state_dict[key],
-                           None if extra is None else extra["loss_scalers"][scaler.loss_id])
+                           None if extra is None else extra["loss_scalers"][scaler.loss_id],
+                           fit=accepted.scalers)
+    return accepted
 
 
-def apply_state(run, state_dict: dict) -> None:
-    """Load a state that ``check_state`` accepted."""
+def apply_state(run, state_dict: dict, accepted: Accepted) -> None:
+    """Load what ``check_state`` accepted of ``state_dict``."""
     extra = state_dict.get(STATE_KEY)
-    for scaler in run.scalers:
-        key = f"loss_scaler{scaler.loss_id}"
-        scaler.load_state(state_dict[key],
-                          None if extra is None else extra["loss_scalers"][scaler.loss_id])
-    if extra is not None and "master_weights" in extra:
+    if accepted.scalers:
+        for scaler in run.scalers:
+            key = f"loss_scaler{scaler.loss_id}"
+            scaler.load_state(state_dict[key],
+                              None if extra is None else extra["loss_scalers"][scaler.loss_id])
+    if accepted.masters and extra is not None and "master_weights" in extra:
         with torch.no_grad():
             for pairs, saved in zip(run.master_pairs, extra["master_weights"]):
                 for (_, model_param, master), value in zip(pairs, saved):
@@ -106,10 +167,10 @@ def _check_extra(run, extra, with_masters: bool) -> None:
         raise ValueError(f"the amp state's {STATE_KEY!r} entry has keys {sorted(extra)}, "
                          f"not those {'amp' if with_masters else 'an amp optimizer'}"
                          f".state_dict() writes")
-    if extra["opt_level"] != run.properties.opt_level:
-        raise ValueError(f"the amp state was saved at opt_level {extra['opt_level']!r} but "
-                         f"this run uses {run.properties.opt_level!r}; initialize with "
-                         f"opt_level={extra['opt_level']!r} to resume it")
+    if not isinstance(extra["opt_level"], str) or extra["opt_level"] not in OPT_LEVELS:
+        raise ValueError(f"the amp state's opt_level is {extra['opt_level']!r}, which is not an "
+                         f"opt level ({', '.join(OPT_LEVELS)}): the checkpoint is damaged or "
+                         f"not an amp state")
     scalers = extra["loss_scalers"]
     if not isinstance(scalers, list) or len(scalers) != len(run.scalers):
         raise ValueError(f"the amp state's counters cover "
@@ -118,6 +179,8 @@ def _check_extra(run, extra, with_masters: bool) -> None:
     if not with_masters:
         return
     masters = extra["master_weights"]
+    if isinstance(masters, list) and extra["opt_level"] != run.properties.opt_level:
+        return   # another level's masters are left out (Accepted)
     if not isinstance(masters, list) or len(masters) != len(run.master_pairs):
         raise ValueError(f"the amp state holds master weights for "
                          f"{len(masters) if isinstance(masters, list) else '?'} model(s) but "
@@ -169,9 +232,11 @@ class OptimizerAmpState:
 
     def __init__(self, amp_opt):
         self.amp_opt = amp_opt
-        # The amp state a load_state_dict is bringing in: checked before torch loads the
-        # optimizer's part, applied after torch has (so that nothing changes when either fails).
-        self._incoming: Optional[dict] = None
+        # The amp state a load_state_dict is bringing in, with what of it loads (Accepted):
+        # checked before torch loads the optimizer's part, applied after torch has (so that
+        # nothing changes when torch refuses), and what was left out, said once torch loaded.
+        self._incoming: Optional[tuple] = None
+        self._left_out: Optional[str] = None
 
     def install(self) -> None:
         opt = self.amp_opt.optimizer
@@ -186,28 +251,34 @@ class OptimizerAmpState:
 
     def _take(self, optimizer, state_dict: dict) -> dict:
         """load_state_dict pre-hook, before torch changes anything: take the amp state out of
-        torch's copy of the dict and check it as amp.load_state_dict does; one that does not fit
-        this run is refused here, so the optimizer's state is not loaded either."""
-        self._incoming = None
+        torch's copy of the dict and check it as amp.load_state_dict does. torch's part always
+        loads: what of the amp part does not fit this run is left out (``_load`` says so)."""
+        self._incoming = self._left_out = None
         carried = state_dict.pop(AMP_STATE_KEY, None)
         if carried is None:
             return state_dict
-        label = self.amp_opt.label()
-        if not isinstance(carried, dict):
-            raise ValueError(f"{label}.load_state_dict: the state's {AMP_STATE_KEY!r} "
-                             f"entry is a {type(carried).__name__}, not the dict an amp "
-                             f"optimizer's state_dict() writes; the checkpoint is damaged")
+        what = (f"{self.amp_opt.label()}.load_state_dict: the optimizer's state loaded, but the "
+                f"amp state it carries (under {AMP_STATE_KEY!r})")
         try:
-            check_state(self.amp_opt.run, carried, with_masters=False)
+            if not isinstance(carried, dict):
+                raise ValueError(f"it is a {type(carried).__name__}, not the dict an amp "
+                                 f"optimizer's state_dict() writes; the checkpoint is damaged")
+            accepted = check_state(self.amp_opt.run, carried, with_masters=False)
         except ValueError as exc:
-            raise ValueError(f"{label}.load_state_dict: the amp state this optimizer "
-                             f"state carries (under {AMP_STATE_KEY!r}) does not fit this run, "
-                             f"so nothing was loaded: {exc}") from exc
-        self._incoming = carried
+            self._left_out = f"{what} was not restored: {exc}. The loss scalers keep their state"
+            return state_dict
+        self._incoming = (carried, accepted)
+        if accepted.left_out:
+            self._left_out = f"{what} was not restored whole: {accepted.describe()}"
         return state_dict
 
     def _load(self, optimizer) -> None:
-        """load_state_dict post-hook: torch loaded the optimizer's part; now the loss scalers."""
-        carried, self._incoming = self._incoming, None
-        if carried is not None:
-            apply_state(self.amp_opt.run, carried)
+        """load_state_dict post-hook: torch loaded the optimizer's part; now the loss scalers,
+        and one WARNING when part of the amp state was left out."""
+        incoming, self._incoming = self._incoming, None
+        left_out, self._left_out = self._left_out, None
+        run = self.amp_opt.run
+        if incoming is not None:
+            apply_state(run, *incoming)
+        if left_out is not None and run.verbosity >= 1 and is_logging_rank():
+            logger.warning("%s.", left_out)

@@ -264,8 +264,11 @@ class LossScaler:
                 "skipped_steps": self.skipped_steps,
                 "last_step_skipped": self.last_step_skipped}
 
-    def check_state(self, key: str, apex_state, extra_state: Optional[dict]) -> None:
-        """Raise ValueError when the saved state cannot be loaded into this scaler."""
+    def check_state(self, key: str, apex_state, extra_state: Optional[dict], *,
+                    fit: bool = True) -> None:
+        """Raise ValueError when the saved state is damaged or, with ``fit``, cannot be loaded
+        into this scaler (``fit=False``: a state that will not be loaded, checked for damage
+        only)."""
         if not isinstance(apex_state, dict) or set(apex_state) != {"loss_scale", "unskipped"}:
             raise ValueError(f"{key} must be a dict with keys 'loss_scale' and 'unskipped' "
                              f"(apex's format); got {apex_state!r}")
@@ -281,11 +284,11 @@ class LossScaler:
                              f"damaged or was edited.")
         if isinstance(unskipped, bool) or not isinstance(unskipped, int) or unskipped < 0:
             raise ValueError(f"{key}['unskipped'] must be a non-negative int, got {unskipped!r}")
-        if not self.dynamic and float(scale) != self.loss_scale:
+        if fit and not self.dynamic and float(scale) != self.loss_scale:
             raise ValueError(f"{key} holds loss_scale {float(scale)} but this run uses the static "
                              f"loss scale {self.loss_scale}; initialize with "
                              f"loss_scale={float(scale)} or 'dynamic' to resume it")
-        if self.dynamic:
+        if fit and self.dynamic:
             low = self.min_loss_scale if self.min_loss_scale is not None else 0.0
             if not low <= scale <= self.max_loss_scale:
                 raise ValueError(f"{key} holds loss_scale {float(scale)}, outside this run's "
@@ -301,8 +304,8 @@ class LossScaler:
                 if type(extra_state[name]) is not kind or (kind is int and extra_state[name] < 0):
                     raise ValueError(f"the apex_lite counter {name!r} for {key} must be a "
                                      f"non-negative {kind.__name__}, got {extra_state[name]!r}")
-            if extra_state["hysteresis_left"] > self.hysteresis \
-                    or extra_state["hysteresis_left"] < 1:
+            if extra_state["hysteresis_left"] < 1 \
+                    or (fit and extra_state["hysteresis_left"] > self.hysteresis):
                 raise ValueError(f"the apex_lite counter 'hysteresis_left' for {key} is "
                                  f"{extra_state['hysteresis_left']}, outside this run's "
                                  f"1..hysteresis={self.hysteresis}")

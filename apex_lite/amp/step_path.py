@@ -39,7 +39,7 @@ from ..optimizers import fusable
 from ..optimizers.fused_lamb import LambUpdate, global_grad_norm
 from ..optimizers.update import FusedUpdate, unit_scalars
 from ..optimizers.watched_state import watch_state
-from . import fsdp, master_grads
+from . import fsdp_norms, master_grads
 from .masters import flag_nonfinite, fused_scale, present_grads
 from .optimizer import CHECKED, CLEAN, SCALED, UNSCALED
 from .scaler import BackwardScale
@@ -117,7 +117,7 @@ def _clip_master_grads(amp_opt, max_norm: float, norm_type: float) -> torch.Tens
     """torch's clip_grad_norm_ over the masters' (true) gradients (over whole tensors when
     FSDP2 shards them)."""
     params = [p for p in amp_opt.masters() if p.grad is not None]
-    return fsdp.clip_grad_norm_(params, max_norm, norm_type)
+    return fsdp_norms.clip_grad_norm_(params, max_norm, norm_type)
 
 
 class _Bucket:
@@ -302,7 +302,7 @@ class FusedStep:
                                    (present_grads(group.own_masters), own_squares)):
                 if grads:
                     anchor = device if anchor is None else anchor
-                    squares.append(fsdp.squared_norm(grads).to(anchor))
+                    squares.append(fsdp_norms.squared_norm(grads).to(anchor))
         if anchor is None:
             return torch.zeros((), dtype=torch.float32)
         inv = amp_opt.pending.inv
