@@ -23,6 +23,7 @@ import torch.distributed as dist
 from .. import multi_tensor
 from ..optimizers.update import local_shards
 from .casting import apply_to_floats
+from .master_grads import stored_grad
 from .scaler import SMALLEST_LOSS_SCALE
 
 logger = logging.getLogger("apex_lite.amp")
@@ -157,7 +158,8 @@ def nonfinite_gradient_names(run, amp_optimizers) -> List[str]:
         for group in amp_opt.groups().values():
             # The master's gradient, or on the fused step the model's (still scaled, which
             # does not change whether it is finite).
-            pairs = [(model_param, master.grad if master.grad is not None else model_param.grad)
+            pairs = [(model_param, stored_grad(master) if stored_grad(master) is not None
+                      else model_param.grad)
                      for model_param, master in zip(group.model_params, group.masters)
                      if id(master) not in seen]
             pairs = [(p, grad) for p, grad in pairs if grad is not None]

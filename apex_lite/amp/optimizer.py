@@ -13,10 +13,11 @@ Gradient bookkeeping per optimizer (``grad_state``):
 - SCALED: gradients hold a backward still multiplied by the loss scale (``delay_unscale=True``);
 - UNSCALED: gradients hold true values (under O2 in the masters' fp32 gradients); another
   backward is accumulated with ``axpby`` into them;
-- CHECKED (the fused step only): the model's gradients hold one backward (or a delay_unscale
+- CHECKED (the fused step only): the half model gradients hold one backward (or a delay_unscale
   accumulation) still multiplied by the loss scale, checked for inf/NaN when its ``scale_loss``
-  exited; the step's kernel unscales them. Another backward, or ``amp.master_params``, first
-  unscales them into the masters' gradients (UNSCALED).
+  exited; the step's kernel unscales them (the fp32 parameters' were unscaled in place then).
+  Another backward, ``amp.master_params`` or a read of a master's ``.grad`` (master_grads.py)
+  first unscales them into the masters' gradients (UNSCALED).
 
 How the update is applied is the optimizer's step path (``step_path.py``), chosen at
 ``initialize``: the unfused step (unscale at the end of ``scale_loss``, the optimizer's own
@@ -33,8 +34,9 @@ next one unless the model's gradients were left uncleared, as plain torch would 
 
 What ``step()`` refuses, before it changes anything: a step inside the ``scale_loss`` block (the
 gradients are still scaled), gradients still scaled by ``delay_unscale``, a ``scale_loss`` block
-that ran no backward, a second step on the same gradients, and gradients that no ``scale_loss``
-for this optimizer unscaled (a backward outside ``scale_loss``, or a ``scale_loss`` that fed this
+that ran no backward, a second step on the same gradients, an O2 model's half gradient edited
+after its ``scale_loss`` (grad_edits.py; also refused by the next ``scale_loss`` of an
+accumulation), and gradients that no ``scale_loss`` for this optimizer unscaled (a backward outside ``scale_loss``, or a ``scale_loss`` that fed this
 optimizer's parameters without being given the optimizer).
 """
 from __future__ import annotations
@@ -45,7 +47,8 @@ from typing import Dict, List, Optional
 
 import torch
 
-from . import fsdp_norms
+from . import fsdp_norms, master_grads
+from .grad_edits import HalfGradEdits
 from .masters import MasterWeights, _DeviceGroup
 from .model_hooks import BackwardWatches
 from .overflow import OverflowCheck
@@ -83,6 +86,8 @@ class AmpOptimizer:
         # blocks given it, since they were last cleared (model_hooks._ForeignBackward).
         self.foreign_backward = False
         self.watches = BackwardWatches(self)
+        # O2: the half model gradients as the last scale_loss left them (grad_edits.py).
+        self.grad_edits = HalfGradEdits()
         # The amp state carried in the optimizer's own state_dict() (saved_state.py).
         self.saved_state = OptimizerAmpState(self)
         # The parameters per device, O2's master weights and gradients.
@@ -107,6 +112,9 @@ class AmpOptimizer:
         opt._apex_lite_amp = self
         self.saved_state.install()
         self.watches.watch([p for group in opt.param_groups for p in group["params"]])
+        # Masters an earlier initialize's fused step made FusedMasters answer to it: plain again
+        # until this run's fused step (if it takes one) adopts them.
+        master_grads.release(self.masters())
 
     # ---- the parameters (masters.py) ----------------------------------------------------------
     def groups(self) -> Dict[torch.device, _DeviceGroup]:
@@ -128,6 +136,9 @@ class AmpOptimizer:
         """Raise, before any backward, when the next backward cannot join the pending one. CHECKED
         gradients that the next backward would add to are unscaled into the masters' gradients
         first (accumulation is in fp32, as on the unfused step)."""
+        if self.grad_state in (CHECKED, UNSCALED):   # edited half gradients would be added
+            self.grad_edits.refuse(self, "amp.scale_loss")
+            self.grad_edits.forget()
         if self.grad_state == CHECKED:
             if any(p.grad is not None for group in self.groups().values()
                    for p in group.model_params):
@@ -181,6 +192,7 @@ class AmpOptimizer:
         self.pending_losses = []
         self.checks.append(check)
         self.stepped_since_backward = False
+        self.grad_edits.record(self)
 
     def unscale(self, stash: Dict[int, torch.Tensor], scale: BackwardScale,
                 check: OverflowCheck) -> None:
@@ -249,6 +261,8 @@ class AmpOptimizer:
                 f"was not given, whose backward reached these parameters). {_UNSCALED_FIX}")
         if self.grad_state == CLEAN:
             self._refuse_gradients_amp_did_not_unscale()
+        self.grad_edits.refuse(self, f"{self.label()}.step()")
+        self.grad_edits.forget()
         checks, self.checks = self.checks, []
         self.stepped_since_backward = True
         # Tell an LR scheduler this step counted (torch's own flag), also when it is skipped, so
@@ -305,6 +319,7 @@ class AmpOptimizer:
         self.checks = []
         self.missing_backward = False
         self.foreign_backward = False
+        self.grad_edits.forget()
         self.path.forget()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -327,6 +342,8 @@ class AmpOptimizer:
         # Where the gradients live: the masters' (O2, unscaled), or the model's while CHECKED.
         if self.weights.all_grads_cleared(in_model=self.grad_state == CHECKED):
             self.zero_grad(True)   # several models' zero_grad() together cleared them all
+        elif not set_to_none:
+            self.grad_edits.record(self)   # the zeros written are amp's, not an edit
 
     def add_param_group(self, param_group: dict) -> None:
         group = dict(param_group)

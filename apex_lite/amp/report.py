@@ -9,6 +9,7 @@ import torch
 
 from .. import multi_tensor
 from ..optimizers.update import local_shards
+from .master_grads import stored_grad
 
 TENSOR_CORE_MULTIPLE = 8
 
@@ -103,7 +104,8 @@ def build_report(run, models: Sequence[torch.nn.Module],
     params = [p for m in models for p in m.parameters()]
     masters = [p for opt in optimizers for g in opt.param_groups for p in g["params"]
                if p in run.model_of]
-    grads = [p.grad for p in params] + [p.grad for p in masters]
+    # The masters' gradients as held: reading them would make the fused step's (master_grads).
+    grads = [p.grad for p in params] + [stored_grad(p) for p in masters]
     state = [v for opt in optimizers for per_param in opt.state.values()
              for v in per_param.values() if isinstance(v, torch.Tensor)]
     tensors = {"parameters": _tally(params), "gradients": _tally(grads),

@@ -7,14 +7,17 @@ Each amp optimizer has one step path, chosen by ``initialize`` (``choose``):
   the masters into the half model. Any optimizer, any opt level.
 - ``FusedStep`` (O2, an optimizer whose update ``apex_lite.optimizers`` computes, and native
   kernels for its device, or ``fused_step=True``): the end of
-  the first ``scale_loss`` of a step only checks the gradients for inf/NaN (read-only, into the
-  overflow flag) and leaves them scaled (CHECKED); ``step()`` is one kernel pass per bucket that
+  the first ``scale_loss`` of a step only checks the half gradients for inf/NaN (read-only, into
+  the overflow flag) and leaves them scaled (CHECKED), and unscales in place those of parameters
+  that are their own masters (kept fp32, FSDP2's shards: they hold their true gradient after the
+  block, as on the unfused step); ``step()`` is one kernel pass per bucket that
   reads the half gradient, unscales it, updates the fp32 master and the optimizer's state, and
   writes the rounded half parameter, and changes nothing where the step's ``found_inf`` flag is
   set. No fp32 master gradient is held, and with the loss scale on the device (every optimizer of
-  the run fused) nothing is read on the host. A second backward before the step, or
-  ``amp.master_params``, unscales the CHECKED gradients into fp32 master gradients (UNSCALED) and
-  the step reads those.
+  the run fused) nothing is read on the host. A second backward before the step,
+  ``amp.master_params``, or a read of a master's ``.grad`` (the masters are ``FusedMaster``s,
+  master_grads.py) unscales the CHECKED gradients into fp32 master gradients (UNSCALED) and the
+  step reads those, with whatever was done to them.
 
 Both paths share ``AmpOptimizer``'s bookkeeping: what accumulates, what ``step()`` refuses, which
 optimizer skips. A path decides three things only: what the end of a ``scale_loss`` does with the
@@ -34,9 +37,9 @@ import torch
 from ..multi_tensor._backend import backend
 from ..optimizers import fusable
 from ..optimizers.fused_lamb import LambUpdate, global_grad_norm
-from ..optimizers.update import FusedUpdate
+from ..optimizers.update import FusedUpdate, unit_scalars
 from ..optimizers.watched_state import watch_state
-from . import fsdp_norms
+from . import fsdp_norms, master_grads
 from .masters import flag_nonfinite, fused_scale, present_grads
 from .optimizer import CHECKED, CLEAN, SCALED, UNSCALED
 from .scaler import BackwardScale
@@ -151,19 +154,33 @@ class FusedStep:
         self._buckets: Optional[List[_Bucket]] = None
         self._built_for: Tuple[int, int] = (0, 0)
         self._scalars: Dict[Tuple[torch.device, str], torch.Tensor] = {}
+        # The parameter grouping whose O2 masters are FusedMasters (master_grads.py).
+        self._adopted: Optional[dict] = None
 
     def describe(self) -> str:
         return "fused step"
 
     # ---- the end of scale_loss ----------------------------------------------------------------
     def end_backward(self, amp_opt, stash, scale: BackwardScale, check) -> None:
+        """The half gradients are checked where they stand (the step's kernel unscales them);
+        those of parameters that are their own masters (kept fp32, FSDP2's shards) are unscaled
+        in place, checked on the way: the model's and the optimizer's, they hold their true
+        gradient after the block, as on the unfused step."""
+        groups = amp_opt.groups()
+        if groups is not self._adopted:
+            master_grads.adopt((m for g in groups.values() for m in g.half_masters), amp_opt)
+            self._adopted = groups
         if amp_opt.grad_state not in (CLEAN, SCALED):
             amp_opt.unscale(stash, scale, check)   # adding to materialised fp32 gradients
             return
-        for device, group in amp_opt.groups().items():
-            grads = present_grads(group.model_params)
-            if grads:
-                flag_nonfinite(grads, check.found_inf(amp_opt, device))
+        for device, group in groups.items():
+            found_inf = check.found_inf(amp_opt, device)
+            halves = present_grads(group.half_models)
+            if halves:
+                flag_nonfinite(halves, found_inf)
+            own = present_grads(group.own_masters)
+            if own:
+                fused_scale(own, own, scale.inv, found_inf)
         amp_opt.grad_state = CHECKED
         amp_opt.pending = scale
 
@@ -178,27 +195,30 @@ class FusedStep:
         clip, self.clip = self.clip, None
         state = watch_state(self.optimizer)   # before the buckets, which key on its identity
         buckets = self.buckets()
+        # Per device: the inverse scale of the half gradients (CHECKED: still scaled), that of
+        # the parameters that are their own masters (true since the block's end), the flag.
         scalars = {}
         for device in {bucket.device for bucket in buckets}:
-            inv_scale = self._scalar(device, "inv_scale", inv)
+            half_inv = self._scalar(device, "inv_scale", inv)
+            own_inv = unit_scalars(device)[0]
             flag = self._scalar(device, "found_inf", 0.0) if found_inf is None \
                 else found_inf.to(device)
             if clip is not None:   # amp.clip_grad_norm_: folded in on the device
-                inv_scale = inv_scale * clip[0].to(device)
+                half_inv = half_inv * clip[0].to(device)
+                own_inv = clip[0].to(device)
                 flag = torch.maximum(flag, clip[1].to(device))
-            scalars[device] = (inv_scale, flag)
+            scalars[device] = (half_inv, own_inv, flag)
         grads = {id(b): [p.grad for p in b.masters] if from_masters else None for b in buckets}
         grad_norms = None
         if self.update_class is LambUpdate:   # one norm of all true gradients, every group
-            grad_norms = global_grad_norm(
-                ((b.device, grads[id(b)] or b.update.read_grads()) for b in buckets),
-                lambda device: scalars[device])
+            grad_norms = _lamb_norms(buckets, grads, scalars)
         for bucket in buckets:
-            inv_scale, flag = scalars[bucket.device]
+            half_inv, own_inv, flag = scalars[bucket.device]
             hyper = fusable.hyper_parameters(self.optimizer, bucket.group)
             extra = () if grad_norms is None else \
                 (grad_norms.get(bucket.device, torch.zeros(1, device=bucket.device)),)
-            bucket.update(state, inv_scale, flag, hyper, *extra, grads=grads[id(bucket)])
+            bucket.update(state, half_inv if bucket.with_half else own_inv, flag, hyper, *extra,
+                          grads=grads[id(bucket)])
 
     def _scalar(self, device: torch.device, name: str, value) -> torch.Tensor:
         """``value`` as a 1-element fp32 tensor on ``device``: a device tensor as it is, a host
@@ -251,8 +271,8 @@ class FusedStep:
                  * clip[0].to(device))
             sink = group.scratch_flag()
             own = present_grads(group.own_masters)
-            if own:
-                fused_scale(own, own, factor, sink)
+            if own and clip is not None:   # true since the block's end: only the clip
+                fused_scale(own, own, clip[0].to(device), sink)
             halves, outs = [], []
             for model_param, master, buffer in zip(group.half_models, group.half_masters,
                                                    group.master_grad_buffers()):
@@ -273,18 +293,26 @@ class FusedStep:
         if amp_opt.grad_state != CHECKED or norm_type != 2.0:
             amp_opt.materialize_master_grads()
             return _clip_master_grads(amp_opt, max_norm, norm_type)
-        squares = []
+        # The half gradients still scaled (times inv), those of the parameters that are their
+        # own masters true already.
+        half_squares, own_squares = [], []
         anchor: Optional[torch.device] = None
         for device, group in amp_opt.groups().items():
-            grads = present_grads(group.model_params)
-            if grads:
-                anchor = device if anchor is None else anchor
-                squares.append(fsdp_norms.squared_norm(grads).to(anchor))
+            for grads, squares in ((present_grads(group.half_models), half_squares),
+                                   (present_grads(group.own_masters), own_squares)):
+                if grads:
+                    anchor = device if anchor is None else anchor
+                    squares.append(fsdp_norms.squared_norm(grads).to(anchor))
         if anchor is None:
             return torch.zeros((), dtype=torch.float32)
         inv = amp_opt.pending.inv
-        norm = torch.cat(squares).sum().sqrt() * (inv.to(anchor).reshape(())
-                                                 if isinstance(inv, torch.Tensor) else inv)
+        norm = None
+        if half_squares:
+            norm = torch.cat(half_squares).sum().sqrt() * (
+                inv.to(anchor).reshape(()) if isinstance(inv, torch.Tensor) else inv)
+        if own_squares:
+            own = torch.cat(own_squares).sum()
+            norm = own.sqrt() if norm is None else (norm.square() + own).sqrt()
         if self.clip is not None:   # a second clip before the step sees the first one's result
             norm = norm * self.clip[0].to(anchor).reshape(())
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0).reshape(1)
@@ -301,3 +329,24 @@ class FusedStep:
     def invalidate(self) -> None:
         self._buckets = None
 
+
+
+def _lamb_norms(buckets: List[_Bucket], grads: Dict[int, Optional[list]],
+                scalars: Dict[torch.device, tuple]) -> Dict[torch.device, torch.Tensor]:
+    """LAMB's one norm of all true gradients, on each device that has any: the half gradients
+    times their inverse scale, the own masters' times theirs, combined without a host read."""
+    parts = []
+    for with_half, index in ((True, 0), (False, 1)):
+        part = global_grad_norm(
+            ((b.device, grads[id(b)] or b.update.read_grads()) for b in buckets
+             if b.with_half == with_half),
+            lambda device, index=index: (scalars[device][index], scalars[device][2]))
+        if part:
+            parts.append(part)
+    if len(parts) <= 1:
+        return parts[0] if parts else {}
+    devices = list(dict.fromkeys(d for part in parts for d in part))
+    first = devices[0]
+    combined = torch.cat([next(iter(part.values())).to(first) for part in parts]).square()
+    combined = combined.sum().sqrt().reshape(1)
+    return {device: combined.to(device) for device in devices}

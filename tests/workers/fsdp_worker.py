@@ -103,6 +103,10 @@ CASES = [
         Case("O2_adamw_clip", "O2", "nested", optimizer="adamw", clip=("amp", 0.5, 2.0)),
         Case("O2_master_params_clip", "O2", "unsharded_after_forward",
              clip=("master_params", 0.5, 2.0)),
+        # mmengine's clip: the param groups' parameters that have a gradient (issue 32).
+        Case("O2_param_groups_clip", "O2", "nested", clip=("param_groups", 0.5, 2.0)),
+        # torch.amp's: the model's parameters, here the sharded masters themselves (issue 30).
+        Case("O2_model_clip", "O2", "nested", clip=("model", 0.5, 2.0)),
         Case("O2_accumulate", "O2", "nested", micro=2),
         Case("O2_accumulate_no_sync", "O2", "nested", micro=2, delay_unscale=True,
              no_sync=True)),
@@ -222,11 +226,19 @@ def train(case: Case, model, optimizer, handle, *, rank: int = 0, world: int = 1
             how, max_norm, norm_type = case.clip
             if how == "amp":
                 norm = handle.clip_grad_norm_(optimizer, max_norm, norm_type)
-            else:   # apex's way: torch's clip_grad_norm_ over amp.master_params
-                masters = list(handle.master_params(optimizer))
+            else:
+                if how == "master_params":   # apex's way: torch's clip over amp.master_params
+                    params = list(handle.master_params(optimizer))
+                elif how == "param_groups":   # mmengine's: the groups' params with a gradient
+                    params = [p for group in optimizer.param_groups for p in group["params"]
+                              if p.requires_grad and p.grad is not None]
+                else:   # "model": FSDP2's shards are the masters; one process clips its masters
+                    params = [p for p in model.parameters() if p.requires_grad]
+                    if not all(hasattr(p, "full_tensor") for p in params):
+                        params = list(handle.master_params(optimizer))
                 if step == 1:
-                    record["master_grads"] = [full(p.grad) for p in masters]
-                norm = torch.nn.utils.clip_grad_norm_(masters, max_norm, norm_type)
+                    record["master_grads"] = [full(p.grad) for p in params]
+                norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
             record["norm"].append(float(full(norm)))
         before = [local(p).clone() for group in optimizer.param_groups for p in group["params"]]
         optimizer.step()
