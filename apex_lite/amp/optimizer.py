@@ -96,10 +96,12 @@ def fused_accumulate(new: List[torch.Tensor], into: List[torch.Tensor], scale: S
                scale if isinstance(scale, torch.Tensor) else float(scale), 1.0, found_inf)
 
 
-def flag_nonfinite(tensors: List[torch.Tensor], found_inf: torch.Tensor) -> None:
-    """Set ``found_inf`` when one of ``tensors`` holds inf or NaN; reads only, no sync."""
-    bad = ops_for(found_inf.device).nonfinite_flags(local_shards(tensors)).any()
-    torch.maximum(found_inf, bad.to(found_inf.dtype).reshape(1), out=found_inf)
+def flag_nonfinite(tensors: List[torch.Tensor], found_inf: torch.Tensor) -> torch.Tensor:
+    """Set ``found_inf`` when one of ``tensors`` holds inf or NaN; reads only, no sync. Returns
+    the per-tensor flags (a bool tensor on the device)."""
+    flags = ops_for(found_inf.device).nonfinite_flags(local_shards(tensors))
+    torch.maximum(found_inf, flags.any().to(found_inf.dtype).reshape(1), out=found_inf)
+    return flags
 
 
 def present_grads(tensors: List[torch.Tensor]) -> List[torch.Tensor]:

@@ -26,6 +26,7 @@ step kernel reads; the host learns of the decisions later (``LossScaler.sync``).
 """
 from __future__ import annotations
 
+import collections
 import functools
 import math
 from typing import Dict, List, Optional, Sequence, Set, Tuple
@@ -90,6 +91,10 @@ class OverflowCheck:
         # A device decision: per optimizer, the 1-element flag its step reads (1: skip).
         self.resolved_on_device = False
         self.skip_flags: Dict[object, torch.Tensor] = {}
+        # Per optimizer, the per-tensor flags the fused step's check computed: [(model
+        # parameters, flags)], kept with a device decision so that OverflowStuckError, read on
+        # the host later, names the parameters of the step it reports (keep_flags).
+        self.evidence: Dict[object, List[Tuple[List[torch.Tensor], torch.Tensor]]] = {}
 
     def found_inf(self, amp_optimizer, device: torch.device) -> torch.Tensor:
         """The zeroed flag the kernels write for ``amp_optimizer``'s gradients on ``device``."""
@@ -106,6 +111,11 @@ class OverflowCheck:
         if flag is None:
             flag = flags[key] = self.flag_pool.take(device)
         return flag
+
+    def keep_flags(self, amp_optimizer, params: List[torch.Tensor], flags: torch.Tensor) -> None:
+        """Keep the per-tensor non-finite ``flags`` (device bools, no read) of ``params``'
+        gradients, which this backward's check computed for ``amp_optimizer``."""
+        self.evidence.setdefault(amp_optimizer, []).append((params, flags))
 
     def known_clean(self, amp_optimizer) -> bool:
         """True when this check is resolved on the host and found ``amp_optimizer``'s gradients
@@ -194,6 +204,10 @@ class OverflowCheck:
         self.flag_pool.give_back(list(self.found_infs.values()) +
                                  list(self.carried_infs.values()))
         self.found_infs, self.carried_infs = {}, {}
+        log = self.scaler.on_decision
+        if isinstance(log, DecisionLog):   # before the update, which may replay at once
+            log.evidence.append(self.evidence)
+        self.evidence = {}
         self.scaler.update_on_device(overflow, loss_bad)
 
     @property
@@ -211,15 +225,19 @@ class DecisionLog:
     def __init__(self, run, skip_log: diagnostics.SkipLog):
         self.run = run
         self.skip_log = skip_log
+        # The checks' per-tensor flags of the device decisions not yet replayed, in order.
+        self.evidence: collections.deque = collections.deque()
 
     def __call__(self, old_scale: float, overflow: bool, loss_nonfinite: bool,
                  optimizers: Optional[Sequence] = None) -> None:
+        # A replayed device decision (no optimizers given) takes the flags kept with it.
+        evidence = self.evidence.popleft() if optimizers is None and self.evidence else None
         scaler = self.skip_log.scaler
         message = skip_message(scaler, old_scale, loss_nonfinite) if overflow else ""
         if self.skip_log.record(old_scale, overflow, loss_nonfinite, message):
             raise diagnostics.stuck_error(
                 self.run, self.run.optimizers if optimizers is None else optimizers,
-                self.skip_log, loss_nonfinite)
+                self.skip_log, loss_nonfinite, evidence)
 
 
 def skip_message(scaler: LossScaler, old_scale: float, loss_nonfinite: bool) -> str:

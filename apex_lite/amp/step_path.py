@@ -161,9 +161,12 @@ class FusedStep:
             amp_opt.unscale(stash, scale, check)   # adding to materialised fp32 gradients
             return
         for device, group in amp_opt.groups().items():
-            grads = present_grads(group.model_params)
-            if grads:
-                flag_nonfinite(grads, check.found_inf(amp_opt, device))
+            grads = [p.grad for p in group.model_params]
+            params = [p for p, grad in zip(group.model_params, grads) if grad is not None]
+            if params:
+                flags = flag_nonfinite([grad for grad in grads if grad is not None],
+                                       check.found_inf(amp_opt, device))
+                check.keep_flags(amp_opt, params, flags)
         amp_opt.grad_state = CHECKED
         amp_opt.pending = scale
 
