@@ -182,6 +182,24 @@ def nonfinite_gradient_names(run, amp_optimizers, evidence=None) -> List[str]:
     return names
 
 
+def half_copies_out_of_range(run, amp_optimizers) -> List[str]:
+    """The names of O2's half model parameters that hold inf or NaN while their fp32 master is
+    finite: a master beyond the half dtype's range, rounded to inf by the copy (which flags only
+    its inputs). One host copy per device; only called on the error path."""
+    names: List[str] = []
+    for amp_opt in amp_optimizers:
+        for group in amp_opt.groups().values():
+            if not group.half_models:
+                continue
+            flags = multi_tensor.nonfinite_flags(local_shards(
+                list(group.half_models) + list(group.half_masters))).tolist()
+            n = len(group.half_models)
+            names.extend(run.param_name(p) for p, half_bad, master_bad
+                         in zip(group.half_models, flags[:n], flags[n:])
+                         if half_bad and not master_bad)
+    return names
+
+
 def stuck_error(run, amp_optimizers, log: SkipLog, loss_nonfinite: bool,
                 evidence=None) -> OverflowStuckError:
     """The error for ``overflow_patience`` skips in a row at the floor, with the locator turned
@@ -208,6 +226,15 @@ def stuck_error(run, amp_optimizers, log: SkipLog, loss_nonfinite: bool,
         where = ("amp cannot name the parameters: no gradient it holds now is inf or NaN (the "
                  "gradients of the skipped step were cleared or overwritten before the decision "
                  "was read on the host).")
+    halves = half_copies_out_of_range(run, amp_optimizers)
+    if halves:
+        half = run.properties.half_dtype
+        where += (f" Half parameters that hold inf or NaN while their fp32 master weight is "
+                  f"finite (the master is beyond the range of {half}, whose largest value is "
+                  f"{torch.finfo(half).max:g}; the forward then overflows): "
+                  f"{', '.join(repr(name) for name in halves[:MAX_NAMES])}. The weights "
+                  f"diverged: lower the learning rate, or keep those modules fp32 "
+                  f"(keep_fp32_modules).")
     run.locate_nonfinite()
     return OverflowStuckError(
         f"loss scaler {scaler.loss_id}: {n} steps in a row were skipped with the loss scale at "

@@ -128,7 +128,8 @@ class _Run:
                 continue   # FSDP2 keeps the unit unsharded between its forward and backward
             label = f"model {i}" if len(self.models) > 1 else "the model"
             if self.sharding is None and fsdp.newly_sharded(self.models[i]):
-                raise fsdp.sharded_after_initialize(caller, label)
+                raise fsdp.sharded_after_initialize(caller, label,
+                                                    self.properties.half_dtype)
             what = (f"its parameters are now on {now.device}, but were on {device} when "
                     f"amp.initialize ran" if now is first else
                     f"its parameters are not the tensors amp.initialize set up (now on "
@@ -564,8 +565,9 @@ class AmpHandle:
         if run.optimizers and len(devices) == 1 and all(amp_opt.path.fused
                                                           for amp_opt in run.optimizers):
             run.decides_on_device = True
+            device = next(iter(devices))   # every scaler beside the parameters (not popped)
             for scaler in run.scalers:
-                scaler.use_device(devices.pop() if len(devices) == 1 else scaler.device())
+                scaler.use_device(device)
         run.record_placement()
         self._run = run
         if locate_nonfinite:
