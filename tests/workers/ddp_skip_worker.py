@@ -42,7 +42,6 @@ def main():
     fused_step = {"default": None, "true": True, "false": False}[args.fused_step]
     model, optimizers = amp.initialize(model, optimizers, opt_level="O2", verbosity=0,
                                        fused_step=fused_step)
-    optimizer = optimizers[0]
     model = DDP(model)
 
     data = torch.Generator().manual_seed(100 + rank)
