@@ -714,7 +714,11 @@ class AmpHandle:
         stashes = [amp_opt.before_backward() for amp_opt in amp_opts]
         for amp_opt in amp_opts:
             amp_opt.in_scale_loss = True
-        scaled_loss = loss.float() * scale.multiplier
+        multiplier = scale.multiplier
+        if isinstance(multiplier, torch.Tensor) and multiplier.device != loss.device:
+            # A device scale beside the masters, the loss elsewhere (FSDP2's CPU offload).
+            multiplier = multiplier.to(loss.device)
+        scaled_loss = loss.float() * multiplier
         backward = _BackwardWatch(scaled_loss)
         try:
             yield scaled_loss

@@ -73,12 +73,17 @@ def _ops(scale: Scale, found_inf: torch.Tensor):
     return _python if isinstance(scale, torch.Tensor) else ops_for(found_inf.device)
 
 
+def _on_flag_device(scale: Scale, found_inf: torch.Tensor) -> Scale:
+    """A device scale moved where the flag (each device group's) is, as the flags are: a group
+    added on another GPU after ``initialize`` unscales there (a no-op on the same device)."""
+    return scale.to(found_inf.device) if isinstance(scale, torch.Tensor) else float(scale)
+
+
 def fused_scale(inputs: List[torch.Tensor], outputs: List[torch.Tensor], scale: Scale,
                 found_inf: torch.Tensor) -> None:
     """``multi_tensor.scale`` for lists amp built."""
     ops = _ops(scale, found_inf)
-    if not isinstance(scale, torch.Tensor):
-        scale = float(scale)
+    scale = _on_flag_device(scale, found_inf)
     same = outputs is inputs
     inputs = local_shards(inputs)
     outputs = inputs if same else local_shards(outputs)
@@ -92,8 +97,8 @@ def fused_accumulate(new: List[torch.Tensor], into: List[torch.Tensor], scale: S
                      found_inf: torch.Tensor) -> None:
     """``into += scale * new`` (``multi_tensor.axpby`` in place) for lists amp built."""
     ops = _ops(scale, found_inf)
-    ops.axpby_(local_shards(new), local_shards(into),
-               scale if isinstance(scale, torch.Tensor) else float(scale), 1.0, found_inf)
+    ops.axpby_(local_shards(new), local_shards(into), _on_flag_device(scale, found_inf), 1.0,
+               found_inf)
 
 
 def flag_nonfinite(tensors: List[torch.Tensor], found_inf: torch.Tensor) -> torch.Tensor:
