@@ -64,9 +64,9 @@ def choose(optimizer: torch.optim.Optimizer, index: int, properties,
 
 def _without_native_kernels(optimizer: torch.optim.Optimizer) -> str:
     """Why the default (fused_step=None) stays unfused for lack of native kernels, or "". The
-    Python backend's fused ops are the kernels' reference: exact, but many passes (and host reads
-    of found_inf, a sync on CUDA), slower than the optimizer's own step; fused_step=True still
-    takes them, for the memory."""
+    Python backend's fused ops are the kernels' reference: exact, but many passes (no host
+    read, but temporaries for every new value), slower than the optimizer's own step;
+    fused_step=True still takes them, for the memory."""
     devices = {p.device for group in optimizer.param_groups for p in group["params"]}
     for device in sorted(devices, key=str):
         name, reason = backend(device)
