@@ -190,6 +190,25 @@ def test_initialized_model_still_pickles(level):
     torch.testing.assert_close(clone(x), model(x), rtol=0, atol=0)
 
 
+
+def test_a_model_pickled_when_its_hooks_lived_in_handle_still_loads(monkeypatch):
+    """The hooks kept with a model moved to amp/model_hooks.py; a model pickled before names
+    them apex_lite.amp.handle.<class>, which must still resolve to the same classes."""
+    from apex_lite.amp import model_hooks
+    kept = ("_DtypeGuard", "_ModelZeroGrad", "_MastersFollowModelLoads", "_Fp32StateDict")
+    for name in kept:   # pickled under their old module, as before the move
+        monkeypatch.setattr(getattr(model_hooks, name), "__module__", "apex_lite.amp.handle")
+    model = amp.initialize(Net(), opt_level="O2", verbosity=0)
+    data = pickle.dumps(model)
+    monkeypatch.undo()
+    for name in kept:
+        assert b"apex_lite.amp.handle" in data and name.encode() in data
+    clone = pickle.loads(data)
+    assert isinstance(clone.zero_grad, model_hooks._ModelZeroGrad)
+    x = torch.randn(4, 8)
+    model.eval(), clone.eval()
+    torch.testing.assert_close(clone(x), model(x), rtol=0, atol=0)
+
 # ---- O1 function casts --------------------------------------------------------------------------
 
 def test_o1_runs_the_forward_under_autocast_without_touching_torch():

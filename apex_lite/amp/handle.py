@@ -18,7 +18,10 @@ import torch
 from . import casting, diagnostics, fsdp
 from . import report as report_module
 from .opt_levels import OPT_LEVELS, Properties, resolve_properties
-from . import step_path
+from . import model_hooks, step_path
+# The hooks kept with a model, importable where models pickled before model_hooks.py find them.
+from .model_hooks import (_DtypeGuard, _Fp32StateDict, _MastersFollowModelLoads,  # noqa: F401
+                          _ModelZeroGrad)
 from .optimizer import AmpOptimizer
 from .overflow import DecisionLog, FlagPool, OverflowCheck, is_logging_rank
 from .scaler import DEFAULT_SCALE_WINDOW, DEFAULT_SYNC_INTERVAL, LossScaler
@@ -556,7 +559,7 @@ class AmpHandle:
         run.sharding = sharding
         if self._run is not None and self._run.enabled:
             for amp_opt in self._run.optimizers:   # the previous run's watches on the models
-                amp_opt.uninstall_watches()
+                amp_opt.watches.remove()
         for index, model in enumerate(model_list):
             self._prepare_model(run, index, model, keep_fp32_modules)
         for opt, why in zip(opt_list, unfused_whys):
@@ -614,9 +617,6 @@ class AmpHandle:
                                         cast_shards=not props.master_weights)
             else:
                 casting.cast_model(model, cast_type, kept)
-            if run.master_pairs[index]:
-                _follow_model_loads(model, run.master_pairs[index])
-            model.register_state_dict_post_hook(_Fp32StateDict(run.master_pairs[index]))
         if cast_type is not None:
             casting.wrap_forward(model, input_dtype=cast_type,
                                  output_dtype=props.cast_model_outputs or torch.float32)
@@ -628,8 +628,8 @@ class AmpHandle:
                                  output_dtype=props.cast_model_outputs or torch.float32)
         elif props.cast_model_outputs is not None:
             casting.wrap_forward(model, output_dtype=props.cast_model_outputs)
-        model.zero_grad = _ModelZeroGrad(model, run)
-        model.register_forward_pre_hook(_DtypeGuard(run, index))
+        model_hooks.hang_on_model(model, run, index,
+                                  cast_to_half=cast_type in (torch.float16, torch.bfloat16))
         setattr(model, _MARK, props.opt_level)
 
     def _take_over_optimizer(self, run: _Run, opt: torch.optim.Optimizer,
@@ -719,7 +719,7 @@ class AmpHandle:
             # A device scale beside the masters, the loss elsewhere (FSDP2's CPU offload).
             multiplier = multiplier.to(loss.device)
         scaled_loss = loss.float() * multiplier
-        backward = _BackwardWatch(scaled_loss)
+        backward = model_hooks._BackwardWatch(scaled_loss)
         try:
             yield scaled_loss
         except BaseException:
@@ -980,117 +980,3 @@ class AmpStateView(_ReadOnlyView):
             return "<amp._amp_state (apex_lite): amp disabled>"
         return (f"<amp._amp_state (apex_lite): {run.properties.opt_level}, "
                 f"{len(run.scalers)} loss scaler(s)>")
-
-
-class _BackwardWatch:
-    """Whether a backward ran through a ``scale_loss`` block's scaled loss, and a refusal of one
-    that runs after the block exited (its gradients would never be unscaled or checked). A hook
-    on the scaled loss: it runs before any gradient is written, so the refusal changes nothing."""
-
-    def __init__(self, scaled_loss: torch.Tensor):
-        self.ran = False
-        self.block_exited = False
-        if scaled_loss.requires_grad:
-            scaled_loss.register_hook(self._on_backward)
-
-    def _on_backward(self, grad: torch.Tensor) -> None:
-        if self.block_exited:
-            raise RuntimeError(
-                "scaled_loss.backward() was called after its `with amp.scale_loss(...)` block "
-                "exited: amp unscales and checks the gradients when the block exits, so these "
-                "would reach step() still multiplied by the loss scale. Call "
-                "scaled_loss.backward() inside the block.")
-        self.ran = True
-
-
-class _DtypeGuard:
-    """A forward pre-hook: a model whose dtype changed after ``initialize`` is named before its
-    forward fails deep inside with torch's dtype mismatch (or trains on in the new dtype). The
-    run is not pickled with the model."""
-
-    def __init__(self, run, index: int):
-        self.run = run
-        self.index = index
-
-    def __call__(self, module, args) -> None:
-        if self.run is not None:
-            self.run.check_dtypes("forward", self.index)
-
-    def __getstate__(self):
-        return {"run": None, "index": self.index}
-
-
-class _ModelZeroGrad:
-    """``model.zero_grad`` after initialize (apex programs such as its DCGAN example zero the
-    model, not the optimizer): also clears the O2 master gradients of those parameters and, when
-    they are all of an optimizer's, resets it as ``optimizer.zero_grad()`` would (a deferred skip
-    decision is made, not dropped). The run is not pickled with the model."""
-
-    def __init__(self, model: torch.nn.Module, run):
-        self.model = model
-        self.run = run
-
-    def __call__(self, set_to_none: bool = True) -> None:
-        type(self.model).zero_grad(self.model, set_to_none)
-        if self.run is not None:
-            self.run.model_zeroed(self.model, set_to_none)
-
-    def __getstate__(self):
-        return {"model": self.model, "run": None}
-
-
-class _MastersFollowModelLoads:
-    """Keep O2 masters in step with ``model.load_state_dict`` after initialize: an incoming fp32
-    value becomes the master exactly; an incoming half value replaces the master only when it
-    differs from the master's rounding (so loading the half weights a run saved keeps the masters
-    that ``amp.load_state_dict`` restored, in either order). A module-level class with bound-
-    method hooks, so that the model still pickles."""
-
-    def __init__(self, pairs: List[tuple]):
-        self.pairs = pairs
-        self.incoming: Dict[int, torch.Tensor] = {}
-
-    def capture(self, module, state_dict, prefix, *args):
-        self.incoming.clear()
-        for name, _, master in self.pairs:
-            value = state_dict.get(prefix + name)
-            if isinstance(value, torch.Tensor) and value.dtype == torch.float32 \
-                    and value.shape == master.shape:
-                self.incoming[id(master)] = value
-
-    def apply(self, module, incompatible_keys):
-        with torch.no_grad():
-            for _, model_param, master in self.pairs:
-                value = self.incoming.get(id(master))
-                if value is not None:
-                    master.copy_(value)
-                elif not torch.equal(master.to(model_param.dtype), model_param):
-                    master.copy_(model_param)
-        self.incoming.clear()
-
-
-class _Fp32StateDict:
-    """``state_dict()`` of a model cast to half holds fp32, as apex's did, and better: under O2
-    each parameter's fp32 master itself (exact: a model checkpoint alone resumes bit for bit and
-    loads into a plain fp32 model); every other half tensor (O3's parameters, half buffers)
-    upcast to fp32, which is exact. fp32-kept modules are fp32 already. A state_dict post-hook
-    of a module-level class, so that the model still pickles."""
-
-    def __init__(self, pairs: List[tuple]):
-        self.masters = {name: master for name, _, master in pairs}
-
-    def __call__(self, module, state_dict, prefix, local_metadata) -> None:
-        for key, value in state_dict.items():
-            if not key.startswith(prefix) or not isinstance(value, torch.Tensor):
-                continue
-            master = self.masters.get(key[len(prefix):])
-            if master is not None:
-                state_dict[key] = master.detach()
-            elif value.dtype in (torch.float16, torch.bfloat16):
-                state_dict[key] = value.detach().float()
-
-
-def _follow_model_loads(model: torch.nn.Module, pairs: List[tuple]) -> None:
-    follower = _MastersFollowModelLoads(pairs)
-    model.register_load_state_dict_pre_hook(follower.capture)
-    model.register_load_state_dict_post_hook(follower.apply)

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import functools
 import types
-import weakref
 from typing import Dict, List, Optional, Tuple, Union
 
 import torch
@@ -51,6 +50,7 @@ from ..multi_tensor import _python
 from ..multi_tensor._backend import ops_for
 from ..optimizers.update import local_shards
 from . import fsdp
+from .model_hooks import BackwardWatches
 from .overflow import OverflowCheck
 from .scaler import BackwardScale
 
@@ -171,12 +171,12 @@ class AmpOptimizer:
         # The last scale_loss for this optimizer exited without a backward through its loss.
         self.missing_backward = False
         # A backward wrote gradients of this optimizer's parameters outside the scale_loss
-        # blocks given it, since they were last cleared (_ForeignBackward).
+        # blocks given it, since they were last cleared (model_hooks._ForeignBackward).
         self.foreign_backward = False
+        self.watches = BackwardWatches(self)
         # The amp state a load_state_dict is bringing in: checked before torch loads the
         # optimizer's part, applied after torch has (so that nothing changes when either fails).
         self._incoming_amp_state: Optional[dict] = None
-        self._hooks: List = []
         self._groups: Optional[Dict[torch.device, _DeviceGroup]] = None
         # How step() applies the update: UnfusedStep or FusedStep (step_path.py), set by
         # initialize.
@@ -199,21 +199,7 @@ class AmpOptimizer:
         opt.register_state_dict_post_hook(self._add_amp_state)
         opt.register_load_state_dict_pre_hook(self._take_amp_state)
         opt.register_load_state_dict_post_hook(self._load_amp_state)
-        self._watch_backwards([p for group in opt.param_groups for p in group["params"]])
-
-    def _watch_backwards(self, masters: List[torch.Tensor]) -> None:
-        watch = _ForeignBackward(self)
-        for master in masters:
-            model_param = self.model_of.get(master, master)
-            if model_param.requires_grad:
-                self._hooks.append(model_param.register_post_accumulate_grad_hook(watch))
-
-    def uninstall_watches(self) -> None:
-        """Take the backward watches off the model's parameters (a later initialize of the same
-        model takes them over)."""
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
+        self.watches.watch([p for group in opt.param_groups for p in group["params"]])
 
     # ---- the amp state in the optimizer's own state_dict() ----------------------------------
     def _add_amp_state(self, optimizer, state_dict: dict) -> dict:
@@ -614,7 +600,7 @@ class AmpOptimizer:
         self._original_add_param_group(group)
         self._groups = None
         self.path.invalidate()
-        self._watch_backwards(group["params"])
+        self.watches.watch(group["params"])
 
     def materialize_master_grads(self) -> None:
         """Between a backward and its step(), give the masters true fp32 gradients
@@ -634,30 +620,6 @@ _UNSCALED_FIX = (
     "every optimizer whose parameters the loss reaches: `with amp.scale_loss(loss, "
     "[optimizer_a, optimizer_b]) as scaled: scaled.backward()`, or zero this optimizer's "
     "gradients (optimizer.zero_grad()) before the backward it should step on.")
-
-
-class _ForeignBackward:
-    """A post-accumulate-grad hook on each model parameter an optimizer updates: a backward that
-    writes its gradient outside the scale_loss blocks given that optimizer is remembered until
-    the gradients are cleared, and step() refuses. (amp unscales and checks a gradient when its
-    block exits; one written later would be applied unscaled, still scaled, or dropped.) One
-    Python call per parameter per backward; not pickled or copied with the model (torch keeps no
-    hooks there).
-
-    It holds its AmpOptimizer weakly: torch keeps a parameter's post-accumulate-grad hooks in
-    its autograd metadata, where the garbage collector does not look, so a strong reference
-    (AmpOptimizer -> model parameter -> hook -> AmpOptimizer) would keep the model, the
-    optimizer and amp's run alive for the life of the process."""
-
-    __slots__ = ("amp_opt",)
-
-    def __init__(self, amp_opt: "AmpOptimizer"):
-        self.amp_opt = weakref.ref(amp_opt)
-
-    def __call__(self, param: torch.Tensor) -> None:
-        amp_opt = self.amp_opt()
-        if amp_opt is not None and not amp_opt.in_scale_loss:
-            amp_opt.foreign_backward = True
 
 
 def _make_method(name: str):
