@@ -17,6 +17,10 @@ Workloads: 25M fp32 parameters in 200 tensors, and 4000 tensors of 2500 elements
                                built once: what passing 6 tensors per parameter costs per call
   O2 lamb ours                 fused_lamb_ likewise, lists passed (two stages: reads the state
                                twice; torch has no LAMB, so it is shown against the AdamW floor)
+  mp lamb ours                 FusedMixedPrecisionLamb(reduced_precision_dtype=bf16).step() on
+                               the bf16 parameters: the global gradient norm, the group's count,
+                               then fused_lamb_mp_ on its own fp32 masters, bf16 parameters out
+                               (the O2 layout, so shown against the AdamW O2 floor)
 "ours" runs on apex_lite's backend for the device (native when the extension is built). The
 update builds its lists once; on the native backend it hands them to C++ at its second step
 (csrc/held_lists.cpp) and its later steps pass no list through Python.
@@ -50,7 +54,8 @@ from typing import Callable, Dict, List, Tuple
 import torch
 
 from apex_lite.multi_tensor import _backend
-from apex_lite.optimizers import AdamHyper, AdamUpdate, SGDHyper, SGDUpdate
+from apex_lite.optimizers import (AdamHyper, AdamUpdate, FusedMixedPrecisionLamb, SGDHyper,
+                                  SGDUpdate)
 from kernels import split_sizes, timed
 
 # (title, total parameters, tensors) per workload; the smoke sizes keep the shapes' character.
@@ -63,6 +68,7 @@ FLOOR_OF = {"sgd foreach": "sgd", "sgd fused": "sgd", "sgd ours": "sgd",
             "adamw foreach": "adamw", "adamw fused": "adamw", "adamw ours": "adamw",
             "O2 adamw torch": "O2 adamw", "O2 adamw ours": "O2 adamw",
             "O2 adamw ours, lists": "O2 adamw", "O2 lamb ours": "O2 adamw"}
+FLOOR_OF["mp lamb ours"] = "O2 adamw"     # issue 27
 LR, MOMENTUM, WEIGHT_DECAY, BETAS, EPS = 1e-3, 0.9, 1e-2, (0.9, 0.999), 1e-8
 INV_SCALE = 2.0 ** -16
 
@@ -172,6 +178,14 @@ def make_workload(total: int, count: int, device, ops) -> Dict[str, Callable[[],
         plain_masters, half_grads, exp_avgs, exp_avg_sqs, half_params, steps, inv_scale,
         found_inf, grad_norm, LR, BETAS[0], BETAS[1], 1e-6, WEIGHT_DECAY, True, True, True, 1.0,
         False)
+
+    # ---- issue 27: FusedMixedPrecisionLamb, the whole optimizer step on the bf16 parameters
+    # (their gradients the O2 ones), its masters made from them at its first step ----
+    mp_lamb = FusedMixedPrecisionLamb(half_params, lr=LR, betas=BETAS, eps=1e-6,
+                                      weight_decay=WEIGHT_DECAY,
+                                      reduced_precision_dtype=torch.bfloat16)
+    variants["mp lamb ours"] = mp_lamb.step
+    # ---- end issue 27 ----
 
     variants.update(_floors(total, device))
     return variants

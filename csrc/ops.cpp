@@ -51,4 +51,16 @@ TORCH_LIBRARY(apex_lite, m) {
         "Tensor inv_scale, Tensor found_inf, Tensor grad_norm, float lr, float beta1, "
         "float beta2, float eps, float weight_decay, bool adam_w_mode, bool bias_correction, "
         "bool grad_averaging, float max_grad_norm, bool use_nvlamb) -> ()");
+  // ---- fused_lamb_mp_ (issue 27: apex's FusedMixedPrecisionLamb) ----
+  // LAMB as fused_lamb_ with apex's FusedMixedPrecisionLamb's device-side lr and step: step is the
+  // 1-element fp32 number of the step being taken (1 for the first), the same for every
+  // parameter, which the caller increments (unless found_inf) and the op only reads; lr is a
+  // 1-element fp32 tensor, read where the kernel runs. params are the fp32 masters of the half
+  // model_params (or parameters stepped without masters, model_params empty).
+  m.def("fused_lamb_mp_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
+        "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] model_params, Tensor step, Tensor lr, "
+        "Tensor inv_scale, Tensor found_inf, Tensor grad_norm, float beta1, float beta2, "
+        "float eps, float weight_decay, bool adam_w_mode, bool bias_correction, "
+        "bool grad_averaging, float max_grad_norm, bool use_nvlamb) -> ()");
+  // ---- end fused_lamb_mp_ ----
 }

@@ -106,6 +106,27 @@ def test_loading_fp32_weights_into_an_o2_model_sets_the_masters_exactly():
         torch.testing.assert_close(master, p, rtol=0, atol=0)
 
 
+def test_loading_half_weights_into_an_o2_model_moves_the_masters_to_them():
+    """A half state dict with other weights: the masters become those half values, exactly (the
+    next step updates what was loaded). The model's own weights in half (its masters' rounding)
+    leave the fp32 masters as they are, so a half checkpoint of this run loses nothing."""
+    model, opt = _setup("O2")
+    masters = [m.detach().clone() for m in amp.master_params(opt)]
+    own = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+    model.load_state_dict(own)
+    for before, master in zip(masters, amp.master_params(opt)):
+        torch.testing.assert_close(master, before, rtol=0, atol=0)
+    torch.manual_seed(123)
+    other = {k: (v + torch.randn_like(v) if "weight" in k or "bias" in k else v).to(
+        torch.bfloat16) for k, v in Net().state_dict().items()}
+    model.load_state_dict(other)
+    for (name, p), master, before in zip(model.named_parameters(), amp.master_params(opt),
+                                         masters):
+        assert not torch.equal(other[name].float(), before)
+        torch.testing.assert_close(master, other[name].float(), rtol=0, atol=0)
+        torch.testing.assert_close(p, other[name].to(p.dtype), rtol=0, atol=0)
+
+
 # ---- refusals: nothing changes --------------------------------------------------------------
 
 def _good_state():

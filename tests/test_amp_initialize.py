@@ -52,19 +52,28 @@ def test_disabled_leaves_everything_untouched_and_scale_loss_yields_the_loss():
 
 # ---- dtypes per opt level -----------------------------------------------------------------------
 
-@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("level, fc_dtype, bn_dtype, master_dtype, out_dtype", [
-    ("O0", "fp32", "fp32", "fp32", "fp32"),
-    ("O1", "fp32", "fp32", "fp32", "fp32"),
-    ("O2", "half", "fp32", "fp32", "fp32"),
-    ("O3", "half", "half", "half", "fp32"),
-])
-def test_dtypes_per_level(level, fc_dtype, bn_dtype, master_dtype, out_dtype, half):
+DTYPES_PER_LEVEL = {    # fc1's weight, batchnorm, masters, fc1's output in the forward, output
+    "O0": ("fp32", "fp32", "fp32", "fp32", "fp32"),
+    "O1": ("fp32", "fp32", "fp32", "half", "fp32"),
+    "O2": ("half", "fp32", "fp32", "half", "fp32"),
+    "O3": ("half", "half", "half", "half", "fp32"),
+}
+
+
+# O0 never uses the half dtype: one case, not one per half dtype.
+@pytest.mark.parametrize("level, half", [("O0", torch.bfloat16)] + [
+    (level, half) for level in ("O1", "O2", "O3") for half in (torch.bfloat16, torch.float16)],
+    ids=lambda v: str(v).replace("torch.", ""))
+def test_dtypes_per_level(level, half):
+    fc_dtype, bn_dtype, master_dtype, inner_dtype, out_dtype = DTYPES_PER_LEVEL[level]
     resolve = {"fp32": torch.float32, "half": half}
     model, opt = _model_and_opt(lambda: Net(4, 4, 2))
     model, opt = amp.initialize(model, opt, opt_level=level, half_dtype=half, verbosity=0)
+    seen = []
+    model.fc1.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
     x = torch.randn(8, 4)
     out = model(x)
+    assert seen == [resolve[inner_dtype]]
     assert out.dtype == resolve[out_dtype]
     assert model.fc1.weight.dtype == resolve[fc_dtype]
     assert model.bn.weight.dtype == resolve[bn_dtype]
@@ -248,9 +257,17 @@ def test_function_decorators_under_autocast(decorator, inputs, expected):
 
 def test_register_functions_and_disable_casts():
     import types
-    module = types.SimpleNamespace(mm=lambda a, b: a @ b, softmax=lambda t: torch.softmax(t, -1))
+    args_seen = []
+
+    def mix(a, b):   # what autocast alone would run in bf16 (a matmul)
+        args_seen.append((a.dtype, b.dtype))
+        return a @ b
+
+    module = types.SimpleNamespace(mm=lambda a, b: a @ b, softmax=lambda t: torch.softmax(t, -1),
+                                   mix=mix)
     amp.register_float_function(module, "softmax")
     amp.register_half_function(module, "mm")
+    amp.register_promote_function(module, "mix")
 
     class Model(torch.nn.Module):
         def __init__(self):
@@ -262,13 +279,19 @@ def test_register_functions_and_disable_casts():
             prod = module.mm(x, self.w)
             with amp.disable_casts():
                 plain = x @ self.w
-            seen.update(soft=soft.dtype, prod=prod.dtype, plain=plain.dtype)
+            # promote: the widest of the arguments' dtypes, autocast off inside.
+            wide, narrow = module.mix(x.to(torch.bfloat16), self.w), module.mix(
+                x.to(torch.bfloat16), self.w.to(torch.bfloat16))
+            seen.update(soft=soft.dtype, prod=prod.dtype, plain=plain.dtype, wide=wide.dtype,
+                        narrow=narrow.dtype)
             return prod
 
     seen = {}
     model = amp.initialize(Model(), opt_level="O1", verbosity=0)
     model(torch.randn(2, 4))
-    assert seen == {"soft": torch.float32, "prod": torch.bfloat16, "plain": torch.float32}
+    assert seen == {"soft": torch.float32, "prod": torch.bfloat16, "plain": torch.float32,
+                    "wide": torch.float32, "narrow": torch.bfloat16}
+    assert args_seen == [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)]
     with pytest.raises(ValueError, match="No function named 'nope'"):
         amp.register_half_function(module, "nope")
 
@@ -411,18 +434,32 @@ def test_initialize_logs_the_level_subject_to_verbosity(caplog):
     assert caplog.text == ""
 
 
-@pytest.mark.parametrize("level, kwargs, out_dtype, bn_dtype", [
-    ("O1", dict(cast_model_outputs=torch.float32), torch.float32, torch.float32),
-    ("O1", dict(patch_torch_functions=False), torch.float32, torch.float32),
-    ("O2", dict(keep_batchnorm_fp32="False"), torch.float32, torch.bfloat16),
-    ("O3", dict(keep_batchnorm_fp32=True), torch.float32, torch.float32),
-    ("O3", dict(cast_model_outputs=torch.bfloat16), torch.bfloat16, torch.bfloat16),
+# Each case overrides its level's default, so that the level alone would give other dtypes: at O1
+# the forward runs under autocast (fc1 computes in half) and outputs leave in fp32; O2 keeps
+# batchnorm fp32; O3 casts it; both hand fp32 outputs back. (half_dtype is bf16, so fp16
+# outputs can only come from cast_model_outputs.)
+@pytest.mark.parametrize("level, kwargs, inner_dtype, out_dtype, bn_dtype", [
+    ("O1", dict(cast_model_outputs=torch.float16), "half", torch.float16, torch.float32),
+    ("O1", dict(patch_torch_functions=False), torch.float32, torch.float32, torch.float32),
+    ("O1", dict(patch_torch_functions=False, cast_model_outputs=torch.float16), torch.float32,
+     torch.float16, torch.float32),
+    ("O2", dict(keep_batchnorm_fp32="False"), "half", torch.float32, "half"),
+    ("O3", dict(keep_batchnorm_fp32=True), "half", torch.float32, torch.float32),
+    ("O3", dict(cast_model_outputs=torch.float16), "half", torch.float16, "half"),
 ])
-def test_overrides_take_effect(level, kwargs, out_dtype, bn_dtype):
+def test_overrides_take_effect(level, kwargs, inner_dtype, out_dtype, bn_dtype):
+    half = torch.bfloat16
+    resolve = lambda d: half if d == "half" else d     # noqa: E731
     model, opt = _model_and_opt()
-    model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0, **kwargs)
+    model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0, half_dtype=half,
+                                **kwargs)
+    seen = []
+    model.fc1.register_forward_hook(
+        lambda module, args, out: seen.append((out.dtype, torch.is_autocast_enabled("cpu"))))
     out = model(batch(0)[0])
-    assert out.dtype == out_dtype and model.bn.weight.dtype == bn_dtype
+    autocast = level == "O1" and kwargs.get("patch_torch_functions", True)
+    assert seen == [(resolve(inner_dtype), autocast)]
+    assert out.dtype == out_dtype and model.bn.weight.dtype == resolve(bn_dtype)
     with amp.scale_loss(out.float().mean(), opt) as scaled:
         scaled.backward()
     opt.step()

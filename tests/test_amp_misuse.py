@@ -12,28 +12,26 @@ import torch
 
 from apex_lite import amp
 
-LEVELS = ["O0", "O1", "O2", "O3"]
-SCALED_LEVELS = ["O1", "O2"]          # the levels with a dynamic loss scale
-_STEP_PATH = {"fused_step": True}
+# Every rule holds on the fused and the unfused step path, which only O2 has: O2 runs once per
+# path, the other levels once. Refusals at initialize (before a path is chosen) run per level.
+LEVELS = ["O0", "O1", "O2-fused", "O2-unfused", "O3"]
+SCALED_LEVELS = ["O1", "O2-fused", "O2-unfused"]      # the levels with a dynamic loss scale
+INIT_LEVELS = ["O0", "O1", "O2", "O3"]
 
 
-@pytest.fixture(autouse=True, params=[True, False], ids=["fused", "unfused"])
-def step_path(request):
-    """Every rule holds on the fused and the unfused step path (O2's; the other levels have only
-    the unfused one)."""
-    _STEP_PATH["fused_step"] = request.param
-    yield request.param
+def _opt_level(level):
+    return level.split("-")[0]
 
 
 def _path(level):
-    return _STEP_PATH["fused_step"] if level == "O2" else None
+    return {"O2-fused": True, "O2-unfused": False}.get(level)
 
 
 def _setup(level, n_opts=1, **kwargs):
     torch.manual_seed(0)
     models = [torch.nn.Linear(4, 2) for _ in range(n_opts)]
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
-    models, opts = amp.initialize(models, opts, opt_level=level, verbosity=0,
+    models, opts = amp.initialize(models, opts, opt_level=_opt_level(level), verbosity=0,
                                   fused_step=_path(level), **kwargs)
     return models, opts
 
@@ -117,14 +115,28 @@ def test_optimizer_fed_by_another_scale_loss_is_refused(level):
 
 @pytest.mark.parametrize("level", LEVELS)
 def test_zeroed_gradients_of_an_unused_optimizer_step_as_in_torch(level):
-    """zero_grad(set_to_none=False) leaves zeros, which are not a misuse: a no-op step."""
+    """zero_grad(set_to_none=False) leaves zeros, which are not a misuse: a no-op step, as torch's
+    SGD (no momentum, no weight decay) takes on zero gradients. The unused optimizer held
+    gradients from an earlier backward (which it did not step on), so zeros, not stale values,
+    must be what it applies: its parameters, masters included, stay bit for bit; the used one's
+    move, and no step is skipped."""
     models, opts = _setup(level, n_opts=2)
+    with amp.scale_loss(_loss(models), opts) as scaled:
+        scaled.backward()
+    opts[0].step()
+    before = _snapshot(opts)
     for o in opts:
         o.zero_grad(set_to_none=False)
     with amp.scale_loss(_loss(models[:1]), opts[0]) as scaled:
         scaled.backward()
     opts[0].step()
     opts[1].step()
+    after = _snapshot(opts)
+    unused_masters = [p.detach() for p in opts[1]._apex_lite_amp.masters()]
+    assert all(torch.equal(p, q) for p, q in zip(before[0][2:], after[0][2:]))  # models[1]
+    assert all(torch.equal(p, q) for p, q in zip(before[1][2:], unused_masters))
+    assert not any(torch.equal(p, q) for p, q in zip(before[0][:2], after[0][:2]))
+    assert not amp.loss_scalers()[0].last_step_skipped
 
 
 # ---- 5: a backward outside scale_loss ------------------------------------------------------------
@@ -162,15 +174,14 @@ OUT_OF_FP32 = [("loss_scale", 1e-40, r"its inverse 1e\+40, the factor that unsca
                ("min_loss_scale", 1e-40, r"its inverse 1e\+40")]
 
 
-@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("level", INIT_LEVELS)
 @pytest.mark.parametrize("name, value, why", OUT_OF_FP32)
 def test_a_loss_scale_outside_fp32_is_refused_at_initialize(level, name, value, why):
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match=f"{name}={re.escape(repr(value))} cannot be used as a "
                                          f"loss scale: {why}"):
-        amp.initialize(model, opt, opt_level=level, verbosity=0,
-                       fused_step=_path(level), **{name: value})
+        amp.initialize(model, opt, opt_level=level, verbosity=0, **{name: value})
     assert model.weight.dtype == torch.float32 and not hasattr(opt, "_apex_lite_amp")
     assert amp.default_handle()._run is None
 
@@ -235,7 +246,7 @@ def test_the_dynamic_scale_starts_within_its_bounds(level):
 
 # ---- 7: one parameter in two optimizers ----------------------------------------------------------
 
-@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("level", INIT_LEVELS)
 def test_a_parameter_in_two_optimizers_is_refused_at_initialize(level):
     model = torch.nn.Linear(4, 2)
     o0 = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -255,14 +266,17 @@ def test_add_param_group_of_another_optimizers_parameter_is_refused(level):
 
 # ---- 12: the model's dtype changed after initialize ----------------------------------------------
 
-@pytest.mark.parametrize("level", LEVELS)
-@pytest.mark.parametrize("cast", ["half", "bfloat16", "double", "float"])
+# Every cast that changes the model: not float() where it is fp32 (O0, O1), nor bfloat16() where
+# it is bf16 already (O2's Linear, O3; the CPU's half dtype).
+@pytest.mark.parametrize("level, cast", [
+    (level, cast) for level in LEVELS for cast in ("half", "bfloat16", "double", "float")
+    if (cast, _opt_level(level)) not in {("float", "O0"), ("float", "O1"), ("bfloat16", "O2"),
+                                         ("bfloat16", "O3")}])
 def test_dtype_change_after_initialize_is_refused(level, cast):
     models, opts = _setup(level)
     dtypes = {p.dtype for p in models[0].parameters()}
     getattr(models[0], cast)()
-    if {p.dtype for p in models[0].parameters()} == dtypes:
-        pytest.skip(f"{cast}() changes nothing at {level}")
+    assert {p.dtype for p in models[0].parameters()} != dtypes
     with pytest.raises(RuntimeError, match="dtype of the model changed after amp.initialize"):
         with amp.scale_loss(_loss(models, torch.ones(3, 4).to(models[0].weight.dtype)),
                             opts[0]) as scaled:
@@ -294,7 +308,7 @@ def test_skips_at_the_floor_warn_and_the_rate_warning_comes(level, caplog):
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = amp.initialize(model, opt, opt_level=level, min_loss_scale=2.0 ** 14,
+    model, opt = amp.initialize(model, opt, opt_level=_opt_level(level), min_loss_scale=2.0 ** 14,
                                 overflow_patience=None, fused_step=_path(level))
     with caplog.at_level(logging.INFO, logger="apex_lite.amp"):
         for _ in range(150):
@@ -331,31 +345,55 @@ def test_a_second_initialize_elsewhere_points_to_one_handle_per_thread():
 
 
 def test_one_handle_per_thread_trains_independently():
-    results = {}
+    """Two threads, each with its own handle, model and data, each train as plain torch does in
+    one thread: O1 is torch.autocast around the forward, and a power-of-two loss scale that never
+    overflows here is unscaled exactly, so the weights match bit for bit. Different models and
+    inputs per thread, so that a step that does nothing or one thread's state in the other's
+    step shows."""
+    def make(seed):
+        torch.manual_seed(seed)
+        return torch.nn.Linear(4, 2)
 
-    models = []
-    for _ in range(2):   # in this thread: the threads would share torch's global RNG
-        torch.manual_seed(0)
-        models.append(torch.nn.Linear(4, 2))
+    def inputs(seed):
+        return torch.randn(3, 4, generator=torch.Generator().manual_seed(100 + seed))
 
-    def train(name):
-        handle = amp.AmpHandle()
-        model = models[name]
+    def reference(seed):
+        model = make(seed)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        model, opt = handle.initialize(model, opt, opt_level="O1", verbosity=0)
         for _ in range(5):
             opt.zero_grad()
-            with handle.scale_loss(model(torch.ones(3, 4)).float().pow(2).sum(), opt) as scaled:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(inputs(seed))
+            out.float().pow(2).sum().backward()
+            opt.step()
+        return model.weight.detach().clone(), make(seed).weight.detach()
+
+    models = [make(seed) for seed in range(2)]   # here: the threads would share torch's RNG
+    results = {}
+
+    def train(seed):
+        handle = amp.AmpHandle()
+        model = models[seed]
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = handle.initialize(model, opt, opt_level="O1", half_dtype=torch.bfloat16,
+                                       verbosity=0)
+        for _ in range(5):
+            opt.zero_grad()
+            with handle.scale_loss(model(inputs(seed)).float().pow(2).sum(), opt) as scaled:
                 scaled.backward()
             opt.step()
-        results[name] = model.weight.detach().clone()
+        results[seed] = model.weight.detach().clone(), handle.loss_scalers()[0].skipped_steps
 
-    threads = [threading.Thread(target=train, args=(i,)) for i in range(2)]
+    threads = [threading.Thread(target=train, args=(seed,)) for seed in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert torch.equal(results[0], results[1])
+    for seed in range(2):
+        expected, initial = reference(seed)
+        assert not torch.equal(expected, initial)
+        assert results[seed][1] == 0
+        torch.testing.assert_close(results[seed][0], expected, rtol=0, atol=0)
 
 
 # ---- 4 and 5, once the optimizer already holds gradients amp unscaled ----------------------------
@@ -369,7 +407,7 @@ def _two_models(level):
     a, b = torch.nn.Linear(2, 1, bias=False), torch.nn.Linear(2, 1, bias=False)
     o0 = torch.optim.SGD(a.parameters(), lr=0.1)
     o1 = torch.optim.SGD(b.parameters(), lr=0.1)
-    return amp.initialize([a, b], [o0, o1], opt_level=level, verbosity=0,
+    return amp.initialize([a, b], [o0, o1], opt_level=_opt_level(level), verbosity=0,
                           fused_step=_path(level))
 
 

@@ -244,36 +244,86 @@ def _micro_batch_loss(model, micro_batch):
     return torch.nn.functional.mse_loss(model(x).float(), y)
 
 
-@pytest.mark.parametrize("level, delay_unscale, rtol", [
-    # Unscaling by a power of two is exact and accumulation happens in fp32, so these match the
-    # sum of separately unscaled gradients bit for bit.
-    ("O0", False, 0.0), ("O0", True, 0.0), ("O1", False, 0.0), ("O1", True, 0.0),
-    ("O2", False, 0.0),
-    # O2 with delay_unscale accumulates the scaled gradients in the half model: bf16 rounding.
-    ("O2", True, 2e-2),
-])
-def test_gradient_accumulation(level, delay_unscale, rtol):
+def _plain_torch_accumulated_gradients(level, micro, in_half_grads):
+    """What amp's accumulation must give, by plain torch on the unscaled losses: the model in
+    the level's dtypes built by hand (O1: the forward under torch.autocast; O2: bf16 Linear
+    layers, fp32 batchnorm between casts, fp32 output), one backward per micro-batch. Summed
+    in fp32 in micro-batch order, or (``in_half_grads``: O2's delay_unscale, which accumulates in
+    the half model's gradients) accumulated by autograd in the bf16 .grad and then widened.
+    A power-of-two loss scale commutes with every rounding here (no overflow or underflow), so
+    amp's gradients must equal these bit for bit."""
+    torch.manual_seed(7)
+    model, half = Net(), torch.bfloat16
+    if level == "O2":
+        model.fc1.to(half)
+        model.fc2.to(half)
+
+        def forward(x):
+            hidden = model.bn(model.fc1(x.to(half)).float()).to(half)
+            return model.fc2(torch.relu(hidden)).float()
+    elif level == "O1":
+        def forward(x):
+            with torch.autocast("cpu", dtype=half):
+                return model(x).float()
+    else:
+        forward = model
+    total = None
+    for x, y in micro:
+        if not in_half_grads:
+            model.zero_grad()
+        torch.nn.functional.mse_loss(forward(x), y).backward()
+        if not in_half_grads:
+            grads = [p.grad.float() for p in model.parameters()]
+            total = grads if total is None else [t + g for t, g in zip(total, grads)]
+    return total if total is not None else [p.grad.float() for p in model.parameters()]
+
+
+# Unscaling by a power of two is exact, so each case matches plain torch bit for bit: fp32
+# sums of the micro-batches' gradients, or (O2 with delay_unscale) their bf16 sum in the half
+# model's gradients.
+# O0's static scale is 1 by default: 128 makes its case unscale too.
+@pytest.mark.parametrize("level, kwargs", [
+    ("O0", dict(loss_scale=128.0)), ("O1", {}), ("O2", dict(fused_step=True)),
+    ("O2", dict(fused_step=False))], ids=["O0", "O1", "O2-fused", "O2-unfused"])
+@pytest.mark.parametrize("delay_unscale", [False, True])
+def test_gradient_accumulation(level, kwargs, delay_unscale):
     micro = [batch(i) for i in range(3)]
+    expected = _plain_torch_accumulated_gradients(level, micro,
+                                                  in_half_grads=level == "O2" and delay_unscale)
     torch.manual_seed(7)
-    model, opt = _setup(level, opt_cls=torch.optim.SGD)
-    expected = None
-    for i in range(len(micro)):       # reference: each micro-batch on its own, summed in fp32
-        opt.zero_grad()
-        with amp.scale_loss(_micro_batch_loss(model, micro[i]), opt) as scaled:
-            scaled.backward()
-        grads = [m.grad.clone() for m in amp.master_params(opt)]
-        expected = grads if expected is None else [e + g for e, g in zip(expected, grads)]
-    torch.manual_seed(7)
-    model, opt = _setup(level, opt_cls=torch.optim.SGD)
+    model, opt = _setup(level, opt_cls=torch.optim.SGD, **kwargs)
     opt.zero_grad()
     for i in range(len(micro)):
         last = i == len(micro) - 1
         with amp.scale_loss(_micro_batch_loss(model, micro[i]), opt,
                             delay_unscale=delay_unscale and not last) as scaled:
             scaled.backward()
-    for grad, master in zip(expected, amp.master_params(opt)):
-        torch.testing.assert_close(master.grad, grad, rtol=rtol, atol=rtol * 1e-2)
+    assert amp.loss_scalers()[0].loss_scale > 1     # the gradients were scaled
+    masters = list(amp.master_params(opt))
+    assert len(masters) == len(expected)
+    for grad, master in zip(expected, masters):
+        assert master.dtype == torch.float32
+        torch.testing.assert_close(master.grad, grad, rtol=0, atol=0)
     opt.step()
+
+
+def test_scale_loss_takes_apex_model_argument_and_trains_as_without_it():
+    """apex's scale_loss(..., model=) is accepted and changes nothing: three O2 steps with it
+    equal three without, bit for bit."""
+    runs = []
+    for pass_model in (False, True):
+        amp.default_handle().__init__()
+        torch.manual_seed(3)
+        model, opt = _setup("O2", opt_cls=torch.optim.SGD)
+        for step in range(3):
+            opt.zero_grad()
+            with amp.scale_loss(_micro_batch_loss(model, batch(step)), opt,
+                                model=model if pass_model else None) as scaled:
+                scaled.backward()
+            opt.step()
+        runs.append(snapshot(model, opt))
+    assert amp.loss_scalers()[0].steps == 3 and not amp.loss_scalers()[0].skipped_steps
+    assert_bitwise_equal(*runs)
 
 
 def test_accumulation_without_zero_grad_after_step_adds_like_torch():
@@ -349,11 +399,11 @@ def test_delay_overflow_check_defers_the_decision_to_step():
 @pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
 def test_one_host_sync_and_one_fused_call_per_step(level, monkeypatch):
     """The unfused step: one unscale call (O2: and one copy back), one host read."""
-    from apex_lite.amp import optimizer as amp_optimizer
+    from apex_lite.amp import masters as amp_masters
     model, opt = _setup(level, opt_cls=torch.optim.SGD, fused_step=False)
     calls = []
-    real_scale = amp_optimizer.fused_scale
-    monkeypatch.setattr(amp_optimizer, "fused_scale",
+    real_scale = amp_masters.fused_scale
+    monkeypatch.setattr(amp_masters, "fused_scale",
                         lambda *a: calls.append(len(a[0])) or real_scale(*a))
     x, y = batch(0)
     opt.zero_grad()

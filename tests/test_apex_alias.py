@@ -92,15 +92,37 @@ def test_the_command_runs_a_script_with_the_alias(tmp_path):
 
 
 @no_apex_here
+def test_the_command_runs_a_module_with_the_alias(tmp_path):
+    """``python -m apex_lite.apex_alias -m pkg.mod args``: the module runs as __main__, with the
+    alias installed, and sees its own arguments (sys.argv[0] its file, as ``python -m``)."""
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "mod.py").write_text(
+        "import json, sys\n"
+        "import apex.amp\n"
+        "if __name__ == '__main__':\n"
+        "    print(json.dumps({'argv': sys.argv, 'amp': apex.amp.__name__}))\n")
+    result = _python(["-m", "apex_lite.apex_alias", "-m", "pkg.mod", "a", "--flag", "-m"],
+                     path_first=tmp_path)
+    assert result.returncode == 0, result.stderr
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert seen["amp"] == "apex_lite.amp"
+    assert seen["argv"] == [str(package / "mod.py"), "a", "--flag", "-m"]
+    missing = _python(["-m", "apex_lite.apex_alias", "-m"])
+    assert missing.returncode == 2 and "-m needs a module name" in missing.stderr
+
+
+@no_apex_here
 def test_the_command_alone_prints_what_it_did():
     result = _python(["-m", "apex_lite.apex_alias"])
     assert result.returncode == 0, result.stderr
     assert "installed the apex alias" in result.stdout
     assert "apex.amp                -> apex_lite.amp (initialize, scale_loss" in result.stdout
     assert "apex.optimizers         -> " in result.stdout
-    assert "apex.multi_tensor_apply -> apex_lite.apex_multi_tensor (MultiTensorApply, " \
+    assert "apex.multi_tensor_apply -> apex_lite.apex_compat.multi_tensor (MultiTensorApply, " \
            "multi_tensor_applier" in result.stdout
-    assert "amp_C                   -> apex_lite.apex_multi_tensor" in result.stdout
+    assert "amp_C                   -> apex_lite.apex_compat.multi_tensor" in result.stdout
     assert "RuntimeWarning" not in result.stderr   # the module is executed once
 
 
@@ -214,8 +236,9 @@ print(json.dumps({"first": first, "same": amp_C is ours and multi_tensor_l2norm 
     result = _python(code)
     assert result.returncode == 0, result.stderr
     facts = json.loads(result.stdout)
-    assert facts["first"].endswith("apex.multi_tensor_apply -> apex_lite.apex_multi_tensor, "
-                                   "amp_C -> apex_lite.apex_multi_tensor")
+    assert facts["first"].endswith(
+        "apex.multi_tensor_apply -> apex_lite.apex_compat.multi_tensor, "
+        "amp_C -> apex_lite.apex_compat.multi_tensor")
     assert facts["same"] and facts["available"]
     assert facts["norm"] == [pytest.approx(7 ** 0.5)]
     assert facts["per"] == pytest.approx([3 ** 0.5, 2])
@@ -295,3 +318,14 @@ def test_leaves_apex_lites_forwarding_package_alone(tmp_path):
     assert "apex is apex_lite's forwarding package" in result.stdout
     assert result.stdout.splitlines()[-1] == "False"
     assert not (root / "IMPORTED").exists()
+
+
+def test_the_earlier_module_names_give_the_apex_compat_modules():
+    """apex_lite.apex_alias and apex_lite.apex_multi_tensor moved into apex_lite.apex_compat;
+    the old names import the same module objects (one finder, one set of ops)."""
+    import apex_lite
+    import apex_lite.apex_alias
+    import apex_lite.apex_multi_tensor
+    from apex_lite.apex_compat import alias, multi_tensor
+    assert apex_lite.apex_alias is alias and apex_lite.apex_multi_tensor is multi_tensor
+    assert apex_lite.install_apex_alias is alias.install_apex_alias

@@ -56,3 +56,12 @@ def test_one_ranks_overflow_skips_every_optimizer_of_the_scale_loss_on_every_ran
     for a, b in zip(results[0]["params"] + results[0]["masters"],
                     results[1]["params"] + results[1]["masters"]):
         assert torch.equal(a, b)
+
+
+def test_an_explicit_process_group_is_the_one_the_overflow_flag_is_reduced_over(tmp_path):
+    """Each rank passes initialize(process_group=) a group of itself alone: rank 1's overflow
+    skips its step only (over the default group, both ranks would skip it)."""
+    results = run_ranks(tmp_path, extra=("--steps", "3", "--inject-step", "1", "--inject-rank",
+                                         "1", "--own-group"))
+    assert results[0]["skipped"] == [False] * 3
+    assert results[1]["skipped"] == [False, True, False]

@@ -917,12 +917,16 @@ def test_jit_without_sources_fails_loudly(monkeypatch, caplog, tmp_path):
     assert any(r.levelno == logging.ERROR and why in r.getMessage() for r in caplog.records)
 
 
+# The JIT path reads the source tree beside the package. CI tests the pip-installed package
+# (tools/test.sh), which has none beside it; the tests' own checkout does: point the JIT there.
+REPO_CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
+
+
 def test_jit_compiler_error_is_reported_whole(monkeypatch, caplog):
     from torch.utils import cpp_extension
 
     from apex_lite.multi_tensor import _jit
-    if not os.path.isdir(_jit.CSRC):
-        pytest.skip("no source tree next to the package")
+    monkeypatch.setattr(_jit, "CSRC", REPO_CSRC)
 
     def failing_load(**kwargs):
         raise RuntimeError("Error building extension 'apex_lite_C_jit': l2norm.cpp:3: boom")
@@ -931,4 +935,28 @@ def test_jit_compiler_error_is_reported_whole(monkeypatch, caplog):
     with caplog.at_level(logging.ERROR, logger="apex_lite"):
         loaded, why = _jit.build_and_load()
     assert not loaded and "l2norm.cpp:3: boom" in why
-    assert any(r.levelno == logging.ERROR for r in caplog.records)
+    assert any(r.levelno == logging.ERROR and why in r.getMessage() for r in caplog.records)
+
+
+def test_jit_build_compiles_every_source_with_setup_py_flags(monkeypatch, caplog):
+    """The successful path up to the compiler (a real build takes minutes, more than CI's
+    budget): every C++ source of csrc/ and csrc/cpu/, csrc/ on the include path, setup.py's
+    flags for this CPU, a library that registers ops rather than a Python module."""
+    from torch.utils import cpp_extension
+
+    from apex_lite.multi_tensor import _jit
+    monkeypatch.setattr(_jit, "CSRC", REPO_CSRC)
+    calls = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)
+    loaded, why = _jit.build_and_load()
+    assert loaded and REPO_CSRC in why and len(calls) == 1
+    call = calls[0]
+    expected = sorted(name for sub in ("", "cpu") for name in os.listdir(
+        os.path.join(REPO_CSRC, sub)) if name.endswith(".cpp"))
+    assert len(expected) >= 5
+    assert sorted(os.path.basename(s) for s in call["sources"]) == expected
+    assert call["extra_include_paths"] == [REPO_CSRC] and call["is_python_module"] is False
+    flags = _jit._setup_flags()
+    assert call["extra_cflags"] == flags.cxx_flags(flags.cpu_arch())
+    assert call["extra_ldflags"] == flags.LINK_FLAGS and call["with_cuda"] is False

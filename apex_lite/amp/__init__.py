@@ -16,7 +16,8 @@ from .casting import (disable_casts, float_function, half_function, promote_func
                       register_promote_function)
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .diagnostics import DEFAULT_OVERFLOW_PATIENCE, NonfiniteLocator, OverflowStuckError
-from .handle import AmpHandle, AmpStateView
+from ..apex_compat.amp_state import AmpStateView
+from .handle import AmpHandle
 from .report import AmpReport
 from .opt_levels import OPT_LEVELS, OptLevel, Properties
 from .scaler import DEFAULT_SCALE_WINDOW, DEFAULT_SYNC_INTERVAL, LossScaler

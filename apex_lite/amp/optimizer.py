@@ -5,9 +5,8 @@ so LR schedulers created before or after keep working): ``step``, ``zero_grad`` 
 ``add_param_group``. ``state_dict`` / ``load_state_dict`` keep torch's: under O2 the
 ``param_groups`` hold the fp32 masters themselves, so optimizer state is keyed by, saved from and
 loaded into fp32 tensors. torch's state_dict hooks add one thing: the amp state (the run's loss
-scalers) travels under the key ``AMP_STATE_KEY`` of the optimizer's own ``state_dict()``, so
-that a framework that saves only the model and the optimizer resumes the loss scale and its
-counters; a plain torch optimizer's ``load_state_dict`` ignores that key.
+scalers) travels under the key ``AMP_STATE_KEY`` of the optimizer's own ``state_dict()``
+(saved_state.py).
 
 Gradient bookkeeping per optimizer (``grad_state``):
 - CLEAN: no gradient since ``zero_grad`` (or gradients that are None / zero);
@@ -42,113 +41,22 @@ from __future__ import annotations
 
 import functools
 import types
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Dict, List, Optional
 
 import torch
 
-from ..multi_tensor import _python
-from ..multi_tensor._backend import ops_for
-from ..optimizers.update import local_shards
 from . import fsdp
+from .masters import MasterWeights, _DeviceGroup
 from .model_hooks import BackwardWatches
 from .overflow import OverflowCheck
+from .saved_state import AMP_STATE_KEY, OptimizerAmpState  # noqa: F401 (AMP_STATE_KEY: its old home)
 from .scaler import BackwardScale
 
 CLEAN, SCALED, UNSCALED, CHECKED = "clean", "scaled", "unscaled", "checked"
 
-# The key of the amp state in an amp optimizer's state_dict() (beside torch's "state" and
-# "param_groups"; torch's load_state_dict reads only those two).
-AMP_STATE_KEY = "apex_lite_amp"
-
-Scale = Union[float, torch.Tensor]
-
-
-# The fused calls of the step. They skip ``multi_tensor``'s argument checks (Python loops over
-# every tensor, every step): amp builds these lists itself, on one device, in fp32/fp16/bf16, with
-# outputs that are either the inputs or distinct tensors of the same shapes. A scale may be a
-# 1-element device tensor (a loss scale kept on the device): torch's check-and-unscale op takes
-# it without a host read, through the Python backend (the native kernels' reference, bit for bit).
-# DTensors (FSDP2's shards) are passed as their local shards (``local_shards``).
-def _ops(scale: Scale, found_inf: torch.Tensor):
-    return _python if isinstance(scale, torch.Tensor) else ops_for(found_inf.device)
-
-
-def _on_flag_device(scale: Scale, found_inf: torch.Tensor) -> Scale:
-    """A device scale moved where the flag (each device group's) is, as the flags are: a group
-    added on another GPU after ``initialize`` unscales there (a no-op on the same device)."""
-    return scale.to(found_inf.device) if isinstance(scale, torch.Tensor) else float(scale)
-
-
-def fused_scale(inputs: List[torch.Tensor], outputs: List[torch.Tensor], scale: Scale,
-                found_inf: torch.Tensor) -> None:
-    """``multi_tensor.scale`` for lists amp built."""
-    ops = _ops(scale, found_inf)
-    scale = _on_flag_device(scale, found_inf)
-    same = outputs is inputs
-    inputs = local_shards(inputs)
-    outputs = inputs if same else local_shards(outputs)
-    if same:
-        ops.scale_(inputs, scale, found_inf)
-    else:
-        ops.scale_out(inputs, outputs, scale, found_inf)
-
-
-def fused_accumulate(new: List[torch.Tensor], into: List[torch.Tensor], scale: Scale,
-                     found_inf: torch.Tensor) -> None:
-    """``into += scale * new`` (``multi_tensor.axpby`` in place) for lists amp built."""
-    ops = _ops(scale, found_inf)
-    ops.axpby_(local_shards(new), local_shards(into), _on_flag_device(scale, found_inf), 1.0,
-               found_inf)
-
-
-def flag_nonfinite(tensors: List[torch.Tensor], found_inf: torch.Tensor) -> torch.Tensor:
-    """Set ``found_inf`` when one of ``tensors`` holds inf or NaN; reads only, no sync. Returns
-    the per-tensor flags (a bool tensor on the device)."""
-    flags = ops_for(found_inf.device).nonfinite_flags(local_shards(tensors))
-    torch.maximum(found_inf, flags.any().to(found_inf.dtype).reshape(1), out=found_inf)
-    return flags
-
-
-def present_grads(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
-    """The gradients of ``tensors`` that exist, in order. Each ``.grad`` is read once: it is a
-    property call (~80 ns), and these lists are built every step."""
-    return [g for g in (t.grad for t in tensors) if g is not None]
-
-
-class _DeviceGroup:
-    """The parameters of one optimizer on one device: ``model_params[i]`` receives the backward,
-    ``masters[i]`` is what the optimizer updates (the same tensor unless O2 cast it to half)."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.model_params: List[torch.Tensor] = []
-        self.masters: List[torch.Tensor] = []
-        self.own_masters: List[torch.Tensor] = []   # masters that are their model parameter
-        self.half_models: List[torch.Tensor] = []   # the O2 pairs, for the copy after step()
-        self.half_masters: List[torch.Tensor] = []
-        self._master_grad_buffers: Optional[List[torch.Tensor]] = None
-        self._scratch_flag: Optional[torch.Tensor] = None
-
-    def master_grad_buffers(self) -> List[torch.Tensor]:
-        """Views of one fp32 buffer, one per O2 master: what a master's ``.grad`` is set to when
-        ``zero_grad`` left it None, so the unscale does not allocate 2 x params tensors a step.
-        (The memory is the same: the master gradients exist during every step anyway.)"""
-        if self._master_grad_buffers is None:
-            flat = torch.empty(sum(m.numel() for m in self.half_masters), dtype=torch.float32,
-                               device=self.device)
-            views, offset = [], 0
-            for master in self.half_masters:
-                views.append(flat[offset:offset + master.numel()].view_as(master))
-                offset += master.numel()
-            self._master_grad_buffers = views
-        return self._master_grad_buffers
-
-    def scratch_flag(self) -> torch.Tensor:
-        """A flag for the master-to-model copy, whose inputs are finite by construction."""
-        if self._scratch_flag is None:
-            self._scratch_flag = torch.zeros(1, dtype=torch.float32, device=self.device)
-        return self._scratch_flag
-
+# The attribute that marks what ``initialize`` took over: on an optimizer, its ``AmpOptimizer``
+# (``optimizer._apex_lite_amp``); on a model, the opt level.
+MARK = "_apex_lite_amp"
 
 class AmpOptimizer:
     """The amp state of one optimizer, reachable as ``optimizer._apex_lite_amp``."""
@@ -174,10 +82,10 @@ class AmpOptimizer:
         # blocks given it, since they were last cleared (model_hooks._ForeignBackward).
         self.foreign_backward = False
         self.watches = BackwardWatches(self)
-        # The amp state a load_state_dict is bringing in: checked before torch loads the
-        # optimizer's part, applied after torch has (so that nothing changes when either fails).
-        self._incoming_amp_state: Optional[dict] = None
-        self._groups: Optional[Dict[torch.device, _DeviceGroup]] = None
+        # The amp state carried in the optimizer's own state_dict() (saved_state.py).
+        self.saved_state = OptimizerAmpState(self)
+        # The parameters per device, O2's master weights and gradients.
+        self.weights = MasterWeights(optimizer, model_of)
         # How step() applies the update: UnfusedStep or FusedStep (step_path.py), set by
         # initialize.
         self.path = None
@@ -196,70 +104,15 @@ class AmpOptimizer:
         opt.zero_grad = types.MethodType(_make_method("zero_grad"), opt)
         opt.add_param_group = types.MethodType(_make_method("add_param_group"), opt)
         opt._apex_lite_amp = self
-        opt.register_state_dict_post_hook(self._add_amp_state)
-        opt.register_load_state_dict_pre_hook(self._take_amp_state)
-        opt.register_load_state_dict_post_hook(self._load_amp_state)
+        self.saved_state.install()
         self.watches.watch([p for group in opt.param_groups for p in group["params"]])
 
-    # ---- the amp state in the optimizer's own state_dict() ----------------------------------
-    def _add_amp_state(self, optimizer, state_dict: dict) -> dict:
-        """state_dict post-hook: the run's loss scalers beside torch's state (plain numbers)."""
-        state_dict[AMP_STATE_KEY] = self.run.scaler_state()
-        return state_dict
-
-    def _take_amp_state(self, optimizer, state_dict: dict) -> dict:
-        """load_state_dict pre-hook, before torch changes anything: take the amp state out of
-        torch's copy of the dict and check it as amp.load_state_dict does; one that does not fit
-        this run is refused here, so the optimizer's state is not loaded either."""
-        self._incoming_amp_state = None
-        carried = state_dict.pop(AMP_STATE_KEY, None)
-        if carried is None:
-            return state_dict
-        if not isinstance(carried, dict):
-            raise ValueError(f"{self.label()}.load_state_dict: the state's {AMP_STATE_KEY!r} "
-                             f"entry is a {type(carried).__name__}, not the dict an amp "
-                             f"optimizer's state_dict() writes; the checkpoint is damaged")
-        try:
-            self.run.check_state(carried, with_masters=False)
-        except ValueError as exc:
-            raise ValueError(f"{self.label()}.load_state_dict: the amp state this optimizer "
-                             f"state carries (under {AMP_STATE_KEY!r}) does not fit this run, "
-                             f"so nothing was loaded: {exc}") from exc
-        self._incoming_amp_state = carried
-        return state_dict
-
-    def _load_amp_state(self, optimizer) -> None:
-        """load_state_dict post-hook: torch loaded the optimizer's part; now the loss scalers."""
-        carried, self._incoming_amp_state = self._incoming_amp_state, None
-        if carried is not None:
-            self.run.apply_state(carried)
-
-    # ---- parameter grouping (cached; invalidated by add_param_group) ----------------------
+    # ---- the parameters (masters.py) ----------------------------------------------------------
     def groups(self) -> Dict[torch.device, _DeviceGroup]:
-        if self._groups is None:
-            groups: Dict[torch.device, _DeviceGroup] = {}
-            seen = set()
-            for group in self.optimizer.param_groups:
-                for master in group["params"]:
-                    if id(master) in seen:
-                        continue
-                    seen.add(id(master))
-                    model_param = self.model_of.get(master, master)
-                    g = groups.get(master.device)
-                    if g is None:
-                        g = groups[master.device] = _DeviceGroup(master.device)
-                    g.model_params.append(model_param)
-                    g.masters.append(master)
-                    if model_param is master:
-                        g.own_masters.append(master)
-                    else:
-                        g.half_models.append(model_param)
-                        g.half_masters.append(master)
-            self._groups = groups
-        return self._groups
+        return self.weights.groups()
 
     def masters(self) -> List[torch.Tensor]:
-        return [p for group in self.optimizer.param_groups for p in group["params"]]
+        return self.weights.masters()
 
     def check_devices(self, caller: str) -> None:
         """Raise when the model was moved after ``initialize``: the first and last parameter of
@@ -306,22 +159,11 @@ class AmpOptimizer:
                 f"unscaled on its own.")
 
     def before_backward(self) -> Dict[int, torch.Tensor]:
-        """Move the gradients of earlier backwards aside so that this backward writes fresh
-        ones: an fp32 gradient's true values (added back by the unscale), and an O2 model's half
-        gradient (its values already live in the master gradient; it is put back when this
-        backward leaves the parameter without a gradient). An O2 master whose model gradient was
-        cleared since starts afresh. Keys: ``id`` of the model parameter."""
-        stash: Dict[int, torch.Tensor] = {}
+        """Move the gradients of earlier backwards aside (``MasterWeights.stash_grads``) so that
+        this backward writes fresh ones; nothing to move unless UNSCALED."""
         if self.grad_state != UNSCALED:
-            return stash
-        for group in self.groups().values():
-            for model_param, master in zip(group.model_params, group.masters):
-                grad = model_param.grad
-                if grad is not None:
-                    stash[id(model_param)] = grad
-                    model_param.grad = None
-                elif model_param is not master:
-                    master.grad = None
+            return {}
+        stash = self.weights.stash_grads()
         if not stash:
             # Every gradient was cleared (``p.grad = None`` by hand): as after zero_grad.
             self._reset(set_to_none=True)
@@ -330,11 +172,7 @@ class AmpOptimizer:
     def restore_stash(self, stash: Dict[int, torch.Tensor]) -> None:
         """Give stashed gradients back when the backward raised (amp changes no state then; a
         backward that failed half way may still have written some gradients itself)."""
-        for group in self.groups().values():
-            for model_param in group.model_params:
-                old = stash.get(id(model_param))
-                if old is not None:
-                    model_param.grad = old
+        self.weights.restore(stash)
 
     def after_backward(self, stash: Dict[int, torch.Tensor], loss: torch.Tensor,
                        scale: BackwardScale, delay_unscale: bool,
@@ -364,8 +202,6 @@ class AmpOptimizer:
                 check: OverflowCheck) -> None:
         """Unscale this backward's gradients into true values (under O2 into the masters' fp32
         gradients), adding what the stash and earlier backwards hold: UNSCALED."""
-        inv_scale = scale.inv
-        accumulate = self.grad_state == UNSCALED
         # When an earlier backward of this step may have left inf/NaN in the gradients this one
         # adds to, the accumulating kernel would flag them again: check the new gradients on
         # their own, so that this loss's scaler backs off only for an overflow of its own
@@ -373,73 +209,11 @@ class AmpOptimizer:
         # step() the earlier checks are gone: gradients left uncleared past a skipped step are
         # charged to the next backward, as torch's GradScaler, which checks what it unscales.)
         history_clean = all(earlier.known_clean(self) for earlier in self.checks)
-        for device, group in self.groups().items():
-            found_inf = check.found_inf(self, device)
-            if not accumulate and self._unscale_fresh(group, inv_scale, found_inf):
-                continue
-            fresh_in: List[torch.Tensor] = []
-            fresh_out: List[torch.Tensor] = []
-            acc_new: List[torch.Tensor] = []
-            acc_into: List[torch.Tensor] = []
-            restore: List[Tuple[torch.Tensor, torch.Tensor]] = []
-            for model_param, master in zip(group.model_params, group.masters):
-                grad = model_param.grad
-                old = stash.get(id(model_param))
-                if grad is None:
-                    if old is not None:
-                        model_param.grad = old   # this backward did not reach it
-                elif model_param is master:
-                    if old is None:
-                        fresh_in.append(grad)
-                        fresh_out.append(grad)
-                    else:
-                        acc_new.append(grad)
-                        acc_into.append(old)
-                        restore.append((master, old))
-                elif accumulate and master.grad is not None:
-                    acc_new.append(grad)
-                    acc_into.append(master.grad)
-                else:
-                    if master.grad is None:
-                        master.grad = torch.empty_like(master)
-                    fresh_in.append(grad)
-                    fresh_out.append(master.grad)
-            if fresh_in:
-                fused_scale(fresh_in, fresh_out, inv_scale, found_inf)
-            if acc_new:
-                if history_clean:
-                    fused_accumulate(acc_new, acc_into, inv_scale, found_inf)
-                else:
-                    flag_nonfinite(acc_new, found_inf)
-                    fused_accumulate(acc_new, acc_into, inv_scale,
-                                     check.carried_inf(self, device))
-            for master, grad in restore:
-                master.grad = grad
+        self.weights.unscale(stash, scale.inv, self.grad_state == UNSCALED, history_clean,
+                             lambda device: check.found_inf(self, device),
+                             lambda device: check.carried_inf(self, device))
         self.grad_state = UNSCALED
         self.pending = None
-
-    @staticmethod
-    def _unscale_fresh(group: _DeviceGroup, inv_scale: Scale, found_inf: torch.Tensor) -> bool:
-        """The common step (no gradients to add to): O0/O1/O3 gradients unscaled where they
-        stand, O2 half gradients into the masters' fp32 gradients; one fused call each. False
-        when some O2 parameter got no gradient (the general path handles it)."""
-        half_grads = [p.grad for p in group.half_models]
-        if any(g is None for g in half_grads):
-            return False
-        grads = present_grads(group.own_masters)
-        if not half_grads:
-            if grads:
-                fused_scale(grads, grads, inv_scale, found_inf)
-            return True
-        # One call: the fp32 gradients in place (same tensor in and out), the half ones into
-        # the masters' gradients.
-        outs = list(grads)
-        for master, buffer in zip(group.half_masters, group.master_grad_buffers()):
-            if master.grad is None:
-                master.grad = buffer
-            outs.append(master.grad)
-        fused_scale(grads + half_grads, outs, inv_scale, found_inf)
-        return True
 
     # ---- the patched methods --------------------------------------------------------------
     def label(self) -> str:
@@ -532,11 +306,8 @@ class AmpOptimizer:
             f"backward reached these parameters). {_UNSCALED_FIX}")
 
     def copy_masters_to_model(self) -> None:
-        """O2: round the updated fp32 masters into the half model, one fused call per device."""
-        with torch.no_grad():
-            for group in self.groups().values():
-                if group.half_masters:
-                    fused_scale(group.half_masters, group.half_models, 1.0, group.scratch_flag())
+        """O2: round the updated fp32 masters into the half model."""
+        self.weights.copy_to_model()
 
     def _reset(self, set_to_none: bool) -> None:
         """Forget the gradients' bookkeeping, as zero_grad does. A decision deferred by
@@ -556,39 +327,21 @@ class AmpOptimizer:
         # The step itself is not taken, as zero_grad before step() means in plain torch.
         self._reset(set_to_none)
         self._original_zero_grad(set_to_none=set_to_none)
-        for group in self.groups().values():
-            for model_param in group.half_models:
-                if model_param.grad is not None:
-                    if set_to_none:
-                        model_param.grad = None
-                    else:
-                        model_param.grad.zero_()
+        self.weights.clear_model_grads(set_to_none)
 
     def model_zeroed(self, model_param_ids, set_to_none: bool) -> None:
         """A model's ``zero_grad()`` cleared the gradients of ``model_param_ids``: clear the O2
         master gradients they feed; when that covers every parameter of this optimizer it is
         ``optimizer.zero_grad()``."""
-        covered = total = 0
-        for group in self.groups().values():
-            total += len(group.model_params)
-            covered += sum(id(p) in model_param_ids for p in group.model_params)
+        covered, total = self.weights.coverage(model_param_ids)
         if not covered:
             return
         if covered == total:
             self.zero_grad(set_to_none)
             return
-        for group in self.groups().values():
-            for model_param, master in zip(group.half_models, group.half_masters):
-                if id(model_param) in model_param_ids and master.grad is not None:
-                    if set_to_none:
-                        master.grad = None
-                    else:
-                        master.grad.zero_()
+        self.weights.clear_master_grads(model_param_ids, set_to_none)
         # Where the gradients live: the masters' (O2, unscaled), or the model's while CHECKED.
-        holders = [p for group in self.groups().values()
-                   for p in (group.model_params if self.grad_state == CHECKED
-                             else group.masters)]
-        if all(p.grad is None for p in holders):
+        if self.weights.all_grads_cleared(in_model=self.grad_state == CHECKED):
             self.zero_grad(True)   # several models' zero_grad() together cleared them all
 
     def add_param_group(self, param_group: dict) -> None:
@@ -598,7 +351,7 @@ class AmpOptimizer:
         group["params"] = self.run.masters_for(params, "optimizer.add_param_group")
         self.run.refuse_shared_params(self, group["params"], "optimizer.add_param_group")
         self._original_add_param_group(group)
-        self._groups = None
+        self.weights.invalidate()
         self.path.invalidate()
         self.watches.watch(group["params"])
 

@@ -37,8 +37,8 @@ from ..optimizers.fused_lamb import LambUpdate, global_grad_norm
 from ..optimizers.update import FusedUpdate
 from ..optimizers.watched_state import watch_state
 from . import fsdp
-from .optimizer import (CHECKED, CLEAN, SCALED, UNSCALED, flag_nonfinite, fused_scale,
-                        present_grads)
+from .masters import flag_nonfinite, fused_scale, present_grads
+from .optimizer import CHECKED, CLEAN, SCALED, UNSCALED
 from .scaler import BackwardScale
 
 

@@ -64,4 +64,7 @@ def register() -> None:
                      ("nonfinite_flags", _nonfinite_flags), ("fused_sgd_", _fused_step),
                      ("fused_adam_", _fused_step), ("fused_lamb_", _fused_step)):
         torch.library.register_fake(f"apex_lite::{name}", fn)
+    # ---- issue 27: FusedMixedPrecisionLamb's op ----
+    torch.library.register_fake("apex_lite::fused_lamb_mp_", _fused_step)
+    # ---- end issue 27 ----
     _registered = True

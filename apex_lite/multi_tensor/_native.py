@@ -20,6 +20,9 @@ REQUEST_VARS = ("APEX_LITE_JIT", "APEX_LITE_CPP_EXT", "APEX_LITE_CUDA_EXT")
 
 OP_NAMES = ("scale_", "scale_out", "axpby_", "axpby_out", "l2norm", "nonfinite_flags",
             "fused_sgd_", "fused_adam_", "fused_lamb_")
+# ---- issue 27: FusedMixedPrecisionLamb's op ----
+OP_NAMES += ("fused_lamb_mp_",)
+# ---- end issue 27 ----
 _DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
 
 # (loaded, why): the outcome of the one attempt to load the library.

@@ -188,3 +188,12 @@ STAGED_OPS = SimpleNamespace(scale_=scale_, scale_out=scale_out, axpby_=axpby_,
                              axpby_out=axpby_out, l2norm=l2norm, nonfinite_flags=nonfinite_flags,
                              fused_sgd_=fused_sgd_, fused_adam_=fused_adam_,
                              fused_lamb_=fused_lamb_, hold_lists=hold_lists)
+
+
+# ---- issue 27: fused_lamb_mp_ (apex's FusedMixedPrecisionLamb) ----
+_fused_lamb_mp_ = torch.ops.apex_lite.fused_lamb_mp_.default
+CPU_OPS.fused_lamb_mp_ = _fused_lamb_mp_
+# The 6th argument is the one step tensor (not a list), passed through as it is.
+STAGED_OPS.fused_lamb_mp_ = _adam_like(_fused_lamb_mp_)
+STAGED_OPS.fused_lamb_mp_.__doc__ = "LAMB step with lr and step as tensors; see csrc/ops.cpp."
+# ---- end issue 27 ----

@@ -304,6 +304,30 @@ def hold_lists(params: Tensors, grad_sources: Tensors, model_params: Tensors,
     return None
 
 
+# ---- fused_lamb_mp_ (issue 27: apex's FusedMixedPrecisionLamb) ----
+#
+# LAMB with lr read from a 1-element tensor and one step tensor for all parameters holding the
+# number of the step being taken (the bias corrections' count), which the caller increments and
+# the op does not write: fused_lamb_ (below) over per-parameter counts of steps taken, step - 1,
+# in temporaries that it increments and that are dropped (exact for counts below 2**24).
+
+def fused_lamb_mp_(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors,
+                   model_params: Tensors, step: torch.Tensor, lr: torch.Tensor,
+                   inv_scale: torch.Tensor, found_inf: torch.Tensor, grad_norm: torch.Tensor,
+                   beta1: float, beta2: float, eps: float, weight_decay: float,
+                   adam_w_mode: bool, bias_correction: bool, grad_averaging: bool,
+                   max_grad_norm: float, use_nvlamb: bool) -> None:
+    if not params:
+        return
+    taken = step.reshape(1).to(torch.float32) - 1.0
+    steps = list(taken.expand(len(params)).clone().unbind(0))
+    fused_lamb_(params, grads, exp_avgs, exp_avg_sqs, model_params, steps, inv_scale, found_inf,
+                grad_norm, float(lr), beta1, beta2, eps, weight_decay, adam_w_mode,
+                bias_correction, grad_averaging, max_grad_norm, use_nvlamb)
+
+# ---- end fused_lamb_mp_ ----
+
+
 def fused_lamb_(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors,
                 model_params: Tensors, steps: Tensors, inv_scale: torch.Tensor,
                 found_inf: torch.Tensor, grad_norm: torch.Tensor, lr: float, beta1: float,

@@ -15,3 +15,10 @@ from .update import FusedUpdate, unit_scalars
 __all__ = ["FusedSGD", "FusedAdam", "FusedLAMB", "FusedUpdate", "SGDUpdate", "AdamUpdate",
            "LambUpdate", "SGDHyper", "AdamHyper", "LambHyper", "global_grad_norm",
            "unit_scalars"]
+
+# ---- issue 27: FusedMixedPrecisionLamb ----
+from .fused_mixed_precision_lamb import (FusedMixedPrecisionLamb, MixedPrecisionLambHyper,
+                                         MixedPrecisionLambUpdate)
+
+__all__ += ["FusedMixedPrecisionLamb", "MixedPrecisionLambHyper", "MixedPrecisionLambUpdate"]
+# ---- end issue 27 ----

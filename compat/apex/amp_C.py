@@ -1,8 +1,8 @@
 """NVIDIA apex's compiled ``amp_C`` ops, served by apex_lite's kernels: this module is
-``apex_lite.apex_multi_tensor`` (multi_tensor_scale, multi_tensor_axpby, multi_tensor_l2norm,
+``apex_lite.apex_compat.multi_tensor`` (multi_tensor_scale, multi_tensor_axpby, multi_tensor_l2norm,
 multi_tensor_sgd, multi_tensor_adam, multi_tensor_lamb)."""
 import sys
 
-from apex_lite import apex_multi_tensor
+from apex_lite.apex_compat import multi_tensor as apex_multi_tensor
 
 sys.modules[__name__] = apex_multi_tensor

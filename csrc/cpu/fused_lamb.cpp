@@ -1,4 +1,6 @@
-// apex_lite::fused_lamb_ on CPU: one LAMB step (apex's FusedLAMB) over all parameters of a call.
+// apex_lite::fused_lamb_ on CPU: one LAMB step (apex's FusedLAMB) over all parameters of a call;
+// and apex_lite::fused_lamb_mp_ (apex's FusedMixedPrecisionLamb), the same step with lr and one
+// count for the call read from tensors (see the end of this file).
 //
 // Contract (apex_lite/multi_tensor/_python.py is the reference): per element, in fp32, each line
 // one rounding, hyper-parameters converted from double to fp32 once:
@@ -125,6 +127,27 @@ void lamb_apply(const AdamConstants& c, const AdamCall& call) {
   });
 }
 
+// The step of a checked and planned call that found_inf does not skip: the constants, the
+// clip divisor from grad_norm, then one Adam-like pass, or the two stages with trust ratios.
+// Shared by fused_lamb_ and fused_lamb_mp_, which differ in where lr and the counts come from.
+void lamb_passes(AdamCall& call, const at::Tensor& inv_scale, const at::Tensor& grad_norm,
+                 float lr32, double beta1, double beta2, double eps, double weight_decay,
+                 bool adam_w_mode, bool grad_averaging, double max_grad_norm, bool use_nvlamb) {
+  AdamConstants c = adam_constants(inv_scale, beta1, grad_averaging ? 1.0 - beta1 : 1.0, beta2,
+                                   eps, weight_decay, adam_w_mode);
+  const float norm = read_scalar(grad_norm);
+  const float limit = static_cast<float>(max_grad_norm);
+  c.clip_grad = max_grad_norm > 0.0 && norm > limit;
+  c.clip = c.clip_grad ? norm / limit : 1.0f;
+
+  if (use_nvlamb || weight_decay != 0.0) {
+    lamb_trust_ratios(c, call, lr32);
+    lamb_apply(c, call);
+  } else {
+    adam_step_pass(c, call);
+  }
+}
+
 void fused_lamb_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                  at::TensorList exp_avg_sqs, at::TensorList model_params, at::TensorList steps,
                  const at::Tensor& inv_scale, const at::Tensor& found_inf,
@@ -137,27 +160,42 @@ void fused_lamb_(at::TensorList params, at::TensorList grads, at::TensorList exp
                 found_inf, beta1, beta2, bias_correction, lr32);
   check_scalar_tensor(op, "grad_norm", grad_norm);
   if (read_scalar(found_inf) != 0.0f || params.empty()) return;
-
-  AdamConstants c = adam_constants(inv_scale, beta1, grad_averaging ? 1.0 - beta1 : 1.0, beta2,
-                                   eps, weight_decay, adam_w_mode);
-  const float norm = read_scalar(grad_norm);
-  const float limit = static_cast<float>(max_grad_norm);
-  c.clip_grad = max_grad_norm > 0.0 && norm > limit;
-  c.clip = c.clip_grad ? norm / limit : 1.0f;
-
   call.count_step();
-  if (use_nvlamb || weight_decay != 0.0) {
-    lamb_trust_ratios(c, call, lr32);
-    lamb_apply(c, call);
-  } else {
-    adam_step_pass(c, call);
-  }
+  lamb_passes(call, inv_scale, grad_norm, lr32, beta1, beta2, eps, weight_decay, adam_w_mode,
+              grad_averaging, max_grad_norm, use_nvlamb);
+  call.write_back();
+}
+
+// fused_lamb_mp_ (apex's FusedMixedPrecisionLamb): fused_lamb_ with lr read from a tensor and
+// one count for all parameters, the number of the step being taken, which the caller has
+// incremented (it is read, never written). Every parameter's entry points at that count.
+void fused_lamb_mp_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                    at::TensorList exp_avg_sqs, at::TensorList model_params,
+                    const at::Tensor& step, const at::Tensor& lr, const at::Tensor& inv_scale,
+                    const at::Tensor& found_inf, const at::Tensor& grad_norm, double beta1,
+                    double beta2, double eps, double weight_decay, bool adam_w_mode,
+                    bool bias_correction, bool grad_averaging, double max_grad_norm,
+                    bool use_nvlamb) {
+  const char* op = "fused_lamb_mp_";
+  check_scalar_tensor(op, "step", step);
+  check_scalar_tensor(op, "lr", lr);
+  const float lr32 = read_scalar(lr);
+  const std::vector<at::Tensor> counts(params.size(), step);
+  AdamCall call(op, params, grads, exp_avgs, exp_avg_sqs, model_params, counts, inv_scale,
+                found_inf, beta1, beta2, bias_correction, lr32, /*counts_given=*/true);
+  check_scalar_tensor(op, "grad_norm", grad_norm);
+  if (read_scalar(found_inf) != 0.0f || params.empty()) return;
+  lamb_passes(call, inv_scale, grad_norm, lr32, beta1, beta2, eps, weight_decay, adam_w_mode,
+              grad_averaging, max_grad_norm, use_nvlamb);
   call.write_back();
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(apex_lite, CPU, m) { m.impl("fused_lamb_", &fused_lamb_); }
+TORCH_LIBRARY_IMPL(apex_lite, CPU, m) {
+  m.impl("fused_lamb_", &fused_lamb_);
+  m.impl("fused_lamb_mp_", &fused_lamb_mp_);
+}
 
 }  // namespace cpu
 }  // namespace apex_lite

@@ -579,10 +579,13 @@ struct AdamPlanner {
   double beta1, beta2;
   bool bias_correction;
   float step_size;
+  // The counts hold the number of the step being taken (fused_lamb_mp_'s group count, which the
+  // caller increments), not the number of steps taken so far.
+  bool counts_given = false;
 
   AdamTensor entry(const ParamData& d, Cache& cache) const {
     if (bias_correction) {
-      const double next = static_cast<double>(*d.count) + 1.0;
+      const double next = static_cast<double>(*d.count) + (counts_given ? 0.0 : 1.0);
       if (next != cache.count) {
         cache.bias.inv_bc1 = static_cast<float>(1.0 / (1.0 - std::pow(beta1, next)));
         cache.bias.inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(beta2, next)));
@@ -601,10 +604,11 @@ class AdamCall : public PlannedCall<AdamPlanner> {
   AdamCall(const char* op, at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
            at::TensorList exp_avg_sqs, at::TensorList model_params, at::TensorList steps,
            const at::Tensor& inv_scale, const at::Tensor& found_inf, double beta1, double beta2,
-           bool bias_correction, float step_size)
+           bool bias_correction, float step_size, bool counts_given = false)
       : PlannedCall(op,
                     StepLists{params, grads, model_params, {exp_avgs, exp_avg_sqs}, 2, steps, true},
-                    inv_scale, found_inf, AdamPlanner{beta1, beta2, bias_correction, step_size},
+                    inv_scale, found_inf,
+                    AdamPlanner{beta1, beta2, bias_correction, step_size, counts_given},
                     [&] {
                       check_step_args(op, params, grads, model_params, inv_scale, found_inf);
                       check_state_list(op, "exp_avgs", exp_avgs, params);
@@ -613,7 +617,7 @@ class AdamCall : public PlannedCall<AdamPlanner> {
                     }) {}
 
   // steps[i] += 1 in fp32 for every parameter. Every count was read by the scan, so a step tensor
-  // passed for two parameters is read twice, then incremented twice.
+  // passed for two parameters is read twice, then incremented twice. Not for counts_given.
   void count_step() const {
     for (const AdamTensor& t : entries()) *t.count += 1.0f;
   }

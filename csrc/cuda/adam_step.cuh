@@ -55,6 +55,10 @@ struct AdamArgs {
   const float* found_inf;
   const float* inv_scale;
   float lr;
+  const float* lr_device;  // non-null: lr read from the device there (fused_lamb_mp_)
+  // The step counts hold the number of the step being taken, which the caller increments, and
+  // are not written (fused_lamb_mp_); false: the number of steps taken, incremented by the op.
+  bool counts_given;
   float beta1;
   float beta2;
   float beta3;
@@ -88,7 +92,7 @@ struct AdamBlockScalars {
   float clip;    // the divisor of g (LAMB)
   float inv_bc1;
   float inv_sqrt_bc2;
-  float step;    // steps[i] as read, before this step's increment
+  float step;    // steps[i] as read (before this step's increment, unless counts_given)
   float ratio;   // the factor of u in the parameter update
   bool skip;
 };
@@ -117,16 +121,17 @@ __device__ __forceinline__ AdamBlockScalars adam_block_scalars(const AdamArgs& a
     s.inv_bc1 = 1.0f;
     s.inv_sqrt_bc2 = 1.0f;
     if (a.bias_correction) {
-      const double count = static_cast<double>(s.step) + 1.0;
+      const double count = static_cast<double>(s.step) + (a.counts_given ? 0.0 : 1.0);
       s.inv_bc1 = static_cast<float>(1.0 / (1.0 - pow(a.beta1_double, count)));
       s.inv_sqrt_bc2 = static_cast<float>(1.0 / sqrt(1.0 - pow(a.beta2_double, count)));
     }
-    s.ratio = a.lr;
+    const float lr = a.lr_device != nullptr ? *a.lr_device : a.lr;
+    s.ratio = lr;
     if constexpr (Stage == AdamStage::kLambApply) {
       const float p_norm = a.norms[tensor_id];
       const float u_norm = a.norms[a.num_tensors + tensor_id];
       if (p_norm != 0.0f && u_norm != 0.0f) {
-        s.ratio = __fmul_rn(a.lr, __fdiv_rn(p_norm, u_norm));
+        s.ratio = __fmul_rn(lr, __fdiv_rn(p_norm, u_norm));
       }
     }
     return s;
@@ -238,7 +243,7 @@ struct AdamStageOp {
           args.partial_count[ref.tensor_id] = num_chunks(ref.numel);
         }
       }
-    } else if (threadIdx.x == 0) {
+    } else if (threadIdx.x == 0 && !args.counts_given) {
       count_block_and_increment_step(args.blocks_done, ref.tensor_id, ref.numel, step,
                                      block.step);
     }

@@ -1,4 +1,6 @@
-// apex_lite::fused_lamb_ on CUDA: one LAMB step (apex's FusedLAMB) over lists of parameters.
+// apex_lite::fused_lamb_ on CUDA: one LAMB step (apex's FusedLAMB) over lists of parameters; and
+// apex_lite::fused_lamb_mp_ (apex's FusedMixedPrecisionLamb), the same step with lr and the count
+// of the step being taken read on the device from 1-element tensors (the count is not written).
 //
 // Contract: csrc/ops.cpp; the per-element arithmetic is Adam's (adam_step.cuh) with the gradient
 // divided by the clip divisor (grad_norm / max_grad_norm when max_grad_norm > 0 and grad_norm
@@ -61,14 +63,15 @@ __global__ void __launch_bounds__(kNormBlockSize)
   }
 }
 
-void fused_lamb_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                     at::TensorList exp_avg_sqs, at::TensorList model_params,
-                     at::TensorList steps, const at::Tensor& inv_scale,
-                     const at::Tensor& found_inf, const at::Tensor& grad_norm, double lr,
-                     double beta1, double beta2, double eps, double weight_decay,
-                     bool adam_w_mode, bool bias_correction, bool grad_averaging,
-                     double max_grad_norm, bool use_nvlamb) {
-  const char* op = "fused_lamb_";
+// The LAMB step of fused_lamb_ and fused_lamb_mp_: lr a number, or (lr_device non-null) read on
+// the device; counts_given: steps hold the number of the step being taken, not written.
+void lamb_cuda(const char* op, at::TensorList params, at::TensorList grads,
+               at::TensorList exp_avgs, at::TensorList exp_avg_sqs, at::TensorList model_params,
+               at::TensorList steps, const at::Tensor& inv_scale, const at::Tensor& found_inf,
+               const at::Tensor& grad_norm, double lr, const float* lr_device, bool counts_given,
+               double beta1, double beta2, double eps, double weight_decay, bool adam_w_mode,
+               bool bias_correction, bool grad_averaging, double max_grad_norm,
+               bool use_nvlamb) {
   check_adam_family_args(op, params, grads, exp_avgs, exp_avg_sqs, model_params, steps,
                          inv_scale, found_inf);
   const at::Device device = found_inf.device();
@@ -88,6 +91,8 @@ void fused_lamb_cuda(at::TensorList params, at::TensorList grads, at::TensorList
   AdamArgs args = make_adam_args(found_inf, inv_scale, counters, lr, beta1, beta2,
                                  grad_averaging ? 1.0 - beta1 : 1.0, eps, weight_decay,
                                  adam_w_mode, bias_correction);
+  args.lr_device = lr_device;
+  args.counts_given = counts_given;
   if (max_grad_norm > 0.0) {
     args.clip = true;
     args.max_grad_norm = static_cast<float>(max_grad_norm);
@@ -97,7 +102,9 @@ void fused_lamb_cuda(at::TensorList params, at::TensorList grads, at::TensorList
   if (!trust_ratio) {
     launch_adam_stage<AdamStage::kApply>(params, grads, exp_avgs, exp_avg_sqs, steps,
                                          model_params, args);
-    increment_steps_of_empty_params(params, steps, found_inf);
+    if (!counts_given) {
+      increment_steps_of_empty_params(params, steps, found_inf);
+    }
     return;
   }
 
@@ -128,7 +135,41 @@ void fused_lamb_cuda(at::TensorList params, at::TensorList grads, at::TensorList
     launch_adam_stage<AdamStage::kLambApply>(params, grads, exp_avgs, exp_avg_sqs, steps,
                                              model_params, args);
   }
-  increment_steps_of_empty_params(params, steps, found_inf);
+  if (!counts_given) {
+    increment_steps_of_empty_params(params, steps, found_inf);
+  }
+}
+
+void fused_lamb_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                     at::TensorList exp_avg_sqs, at::TensorList model_params,
+                     at::TensorList steps, const at::Tensor& inv_scale,
+                     const at::Tensor& found_inf, const at::Tensor& grad_norm, double lr,
+                     double beta1, double beta2, double eps, double weight_decay,
+                     bool adam_w_mode, bool bias_correction, bool grad_averaging,
+                     double max_grad_norm, bool use_nvlamb) {
+  lamb_cuda("fused_lamb_", params, grads, exp_avgs, exp_avg_sqs, model_params, steps, inv_scale,
+            found_inf, grad_norm, lr, nullptr, false, beta1, beta2, eps, weight_decay,
+            adam_w_mode, bias_correction, grad_averaging, max_grad_norm, use_nvlamb);
+}
+
+// fused_lamb_mp_ (apex's FusedMixedPrecisionLamb): lr and the count of the step being taken read
+// on the device, the count shared by every parameter (each parameter's step list entry is that
+// tensor; no block writes it).
+void fused_lamb_mp_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                        at::TensorList exp_avg_sqs, at::TensorList model_params,
+                        const at::Tensor& step, const at::Tensor& lr,
+                        const at::Tensor& inv_scale, const at::Tensor& found_inf,
+                        const at::Tensor& grad_norm, double beta1, double beta2, double eps,
+                        double weight_decay, bool adam_w_mode, bool bias_correction,
+                        bool grad_averaging, double max_grad_norm, bool use_nvlamb) {
+  const char* op = "fused_lamb_mp_";
+  check_found_inf(op, found_inf);
+  check_device_scalar(op, "step", step, found_inf.device());
+  check_device_scalar(op, "lr", lr, found_inf.device());
+  const std::vector<at::Tensor> counts(params.size(), step);
+  lamb_cuda(op, params, grads, exp_avgs, exp_avg_sqs, model_params, counts, inv_scale, found_inf,
+            grad_norm, 0.0, lr.data_ptr<float>(), true, beta1, beta2, eps, weight_decay,
+            adam_w_mode, bias_correction, grad_averaging, max_grad_norm, use_nvlamb);
 }
 
 }  // namespace
@@ -137,4 +178,5 @@ void fused_lamb_cuda(at::TensorList params, at::TensorList grads, at::TensorList
 
 TORCH_LIBRARY_IMPL(apex_lite, CUDA, m) {
   m.impl("fused_lamb_", &apex_lite::cuda::fused_lamb_cuda);
+  m.impl("fused_lamb_mp_", &apex_lite::cuda::fused_lamb_mp_cuda);
 }

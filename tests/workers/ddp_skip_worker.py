@@ -8,6 +8,7 @@ skips both, on every rank). Saves the parameters, the loss scale and the skip hi
 optimizer, whether its masters changed) to --out.
 """
 import argparse
+import gc
 import os
 
 import torch
@@ -28,10 +29,15 @@ def main():
     parser.add_argument("--inject-rank", type=int, default=1)
     parser.add_argument("--two-optimizers", action="store_true")
     parser.add_argument("--fused-step", choices=["default", "true", "false"], default="default")
+    parser.add_argument("--own-group", action="store_true",
+                        help="pass initialize(process_group=) a group of this rank alone")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    # Every rank creates every group (new_group is collective); each passes its own.
+    groups = [dist.new_group([r]) for r in range(dist.get_world_size())] if args.own_group \
+        else None
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
     if args.two_optimizers:
@@ -41,7 +47,8 @@ def main():
         optimizers = [torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)]
     fused_step = {"default": None, "true": True, "false": False}[args.fused_step]
     model, optimizers = amp.initialize(model, optimizers, opt_level="O2", verbosity=0,
-                                       fused_step=fused_step)
+                                       fused_step=fused_step,
+                                       process_group=groups[rank] if groups else None)
     model = DDP(model)
 
     data = torch.Generator().manual_seed(100 + rank)
@@ -75,7 +82,11 @@ def main():
     # order joins them in ~Reducer holding it, and can hang). A gloo thread still running at exit
     # can free a tensor during finalization and abort ("terminate called without an active
     # exception"); the check below fails loudly instead if that would be possible.
-    del model
+    # The amp run holds an explicit group (and the optimizer, the loss scaler and the loss the
+    # run): let them all go too.
+    del model, optimizers, opt, groups, scaler, loss, scaled_loss
+    amp.initialize([], enabled=False)
+    gc.collect()
     dist.destroy_process_group()
     leftover = gloo_threads()
     if leftover:

@@ -1,12 +1,12 @@
 """apex_lite's ``apex``: NVIDIA apex's names served by apex_lite (``compat/apex``).
 
 ``apex.amp``, ``apex.optimizers`` and ``apex.multi_tensor_apply`` are apex_lite's own modules
-(``apex_lite.amp``, ``apex_lite.optimizers``, ``apex_lite.apex_multi_tensor``), found through
-``apex_lite.apex_alias``'s finder, so that each exists once (``import apex.amp.scaler`` gives
+(``apex_lite.amp``, ``apex_lite.optimizers``, ``apex_lite.apex_compat.multi_tensor``), found
+through ``apex_lite.apex_compat.alias``'s finder, so that each exists once (``import apex.amp.scaler`` gives
 ``apex_lite.amp.scaler``). Other parts of apex raise an ImportError naming torch's replacement.
 """
 try:
-    from apex_lite import apex_alias as _apex_alias
+    from apex_lite.apex_compat import alias as _apex_alias
 except ModuleNotFoundError as exc:
     if exc.name != "apex_lite":
         raise

@@ -34,9 +34,9 @@ from typing import List, Sequence, Tuple
 
 import torch
 
-from . import multi_tensor
-from .multi_tensor._backend import ops_for
-from .optimizers.update import unit_scalars
+from .. import multi_tensor
+from ..multi_tensor._backend import ops_for
+from ..optimizers.update import unit_scalars
 
 __all__ = ["MultiTensorApply", "multi_tensor_applier", "multi_tensor_scale",
            "multi_tensor_axpby", "multi_tensor_l2norm", "multi_tensor_sgd", "multi_tensor_adam",
@@ -251,7 +251,10 @@ def multi_tensor_l2norm(chunk_size, noop_flag, tensor_lists, per_tensor=None
     per_tensor_norms)``, fp32 on the tensors' device, shapes [1] and [len(tensors)] (or [0]
     when ``per_tensor`` is not True), accumulated in fp32. Sets ``noop_flag`` when the norm is
     inf or NaN (apex: when one chunk's sum of squares is)."""
-    op = "multi_tensor_l2norm"
+    return _l2norm("multi_tensor_l2norm", noop_flag, tensor_lists, per_tensor)
+
+
+def _l2norm(op: str, noop_flag, tensor_lists, per_tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     (tensors,) = _lists(op, tensor_lists, ["tensors"])
     if not tensors:
         device = noop_flag.device if isinstance(noop_flag, torch.Tensor) else None
@@ -358,9 +361,7 @@ def multi_tensor_lamb(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps
 _NOT_PROVIDED_HINT = {
     "multi_tensor_adam_capturable": "apex_lite.optimizers.FusedAdam",
     "multi_tensor_adam_capturable_master": "apex_lite.optimizers.FusedAdam under amp at O2",
-    "multi_tensor_l2norm_mp": "multi_tensor_l2norm (it accumulates in fp32 whatever the dtype)",
     "multi_tensor_l2norm_scale": "multi_tensor_l2norm, then multi_tensor_scale",
-    "multi_tensor_lamb_mp": "apex_lite.optimizers.FusedLAMB under amp at O2",
 }
 
 
@@ -370,3 +371,80 @@ def __getattr__(name):
         raise AttributeError(f"amp_C.{name} is not provided by apex_lite, whose amp_C has "
                              f"{', '.join(AMP_C_OPS)}" + (f"; use {hint}" if hint else ""))
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# ---- issue 27: the ops of apex's FusedMixedPrecisionLamb ----
+
+__all__ += ["multi_tensor_l2norm_mp", "multi_tensor_lamb_mp"]
+AMP_C_OPS += ("multi_tensor_l2norm_mp", "multi_tensor_lamb_mp")
+
+
+def multi_tensor_l2norm_mp(chunk_size, noop_flag, tensor_lists, per_tensor=None
+                           ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """apex's ``amp_C.multi_tensor_l2norm_mp`` (apex's FusedMixedPrecisionLamb):
+    ``multi_tensor_l2norm``, which accumulates in fp32 whatever the dtype. apex's kernel does
+    nothing when ``noop_flag`` is already set and returns an unspecified norm; this one computes
+    the norm all the same."""
+    return _l2norm("multi_tensor_l2norm_mp", noop_flag, tensor_lists, per_tensor)
+
+
+def _scalar_tensor(op: str, name: str, value, device: torch.device) -> torch.Tensor:
+    """A number or 1-element tensor on ``device`` as the 1-element fp32 tensor the ops take."""
+    if not isinstance(value, torch.Tensor):
+        return torch.full((1,), float(value), dtype=torch.float32, device=device)
+    if value.numel() != 1 or value.is_complex():
+        raise TypeError(f"amp_C.{op}: {name} must be a 1-element real tensor (or a number), got "
+                        f"{value.numel()} elements of {value.dtype}")
+    if value.device != device:
+        raise ValueError(f"amp_C.{op}: {name} is on {value.device} but the tensors are on "
+                         f"{device}; apex's kernel reads it there")
+    return value.reshape(1).to(torch.float32)
+
+
+def multi_tensor_lamb_mp(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, epsilon, step,
+                         bias_correction, weight_decay, grad_averaging, mode, global_grad_norm,
+                         max_grad_norm, use_nvlamb, found_inf, inv_scale) -> None:
+    """apex's ``amp_C.multi_tensor_lamb_mp`` (apex's FusedMixedPrecisionLamb): lists ``[grads,
+    params, exp_avgs, exp_avg_sqs]`` or ``[grads, master_params, exp_avgs, exp_avg_sqs,
+    model_params]`` (the last receives the updated masters rounded once to its dtype). ``lr``,
+    ``step`` (the number of the step being taken, which the caller increments),
+    ``global_grad_norm``, ``max_grad_norm``, ``found_inf`` and ``inv_scale`` are 1-element
+    tensors on the device (numbers are accepted too), read there: no host sync with the native
+    kernels. ``grad * inv_scale`` is the gradient; the gradients are divided by
+    ``global_grad_norm / max_grad_norm`` when that exceeds 1 (both of the scaled gradients, as
+    apex's optimizer passes them). The step is skipped when ``noop_flag`` (apex's kernel's test)
+    or ``found_inf`` is set. Differences from apex as ``multi_tensor_lamb``'s: the gradients are
+    left as they are, and the update stays in fp32 until the parameter is written."""
+    op = "multi_tensor_lamb_mp"
+    names = ["grads", "params", "exp_avgs", "exp_avg_sqs", "model_params"]
+    lists = _lists(op, tensor_lists, [", ".join(names[:4]), ", ".join(names)])
+    _check_aligned(op, names, lists)
+    if mode not in (0, 1):
+        raise ValueError(f"amp_C.{op}: mode={mode!r}; apex's modes are 0 (L2 regularisation) "
+                         f"and 1 (decoupled weight decay)")
+    grads, params, exp_avgs, exp_avg_sqs = lists[:4]
+    model_params = lists[4] if len(lists) == 5 else []
+    if not params:
+        return
+    device = params[0].device
+    if not isinstance(step, torch.Tensor) and _number(op, "step", step, int) < 1:
+        raise ValueError(f"amp_C.{op}: step={step}; apex passes the number of the step being "
+                         f"taken, 1 for the first")
+    skip = torch.maximum(_found_inf(op, noop_flag, device),
+                         _scalar_tensor(op, "found_inf", found_inf, device))
+    # The clip divisor from the ratio of the two scaled norms: the op clips when its grad_norm
+    # exceeds max_grad_norm (here 1) and divides by grad_norm / 1.
+    ratio = (_scalar_tensor(op, "global_grad_norm", global_grad_norm, device)
+             / _scalar_tensor(op, "max_grad_norm", max_grad_norm, device))
+    m, v = _fp32_state(exp_avgs), _fp32_state(exp_avg_sqs)
+    with torch.no_grad():    # apex's kernels write parameters outside autograd
+        ops_for(device).fused_lamb_mp_(
+            params, grads, m, v, model_params, _scalar_tensor(op, "step", step, device),
+            _scalar_tensor(op, "lr", lr, device),
+            _scalar_tensor(op, "inv_scale", inv_scale, device), skip, ratio, float(beta1),
+            float(beta2), float(epsilon), float(weight_decay), mode == 1, bool(bias_correction),
+            bool(grad_averaging), 1.0, bool(use_nvlamb))
+        _write_back(exp_avgs, m)
+        _write_back(exp_avg_sqs, v)
+
+# ---- end issue 27 ----

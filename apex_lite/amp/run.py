@@ -1,0 +1,240 @@
+"""The state of one ``initialize`` (``_Run``), and how it sets up each model and optimizer.
+
+``AmpHandle.initialize`` checks everything first (init_checks.py), then makes a ``_Run``: the
+loss scalers and their logs, the models and where and in which dtype their parameters were
+(checked at every ``scale_loss`` and ``step()``), O2's master weights (masters.py), the amp
+optimizers; and it prepares each model (``prepare_model``) and optimizer
+(``take_over_optimizer``). Models and optimizers it patched hold a reference to their run.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from . import casting, diagnostics, fsdp, masters, model_hooks, step_path
+from .init_checks import describe as _describe
+from .opt_levels import Properties
+from .optimizer import MARK, AmpOptimizer
+from .overflow import DecisionLog, FlagPool
+from .scaler import LossScaler
+
+
+class _DisabledRun:
+    """``initialize(enabled=False)``: scale_loss yields the loss untouched."""
+    enabled = False
+
+
+class _Run:
+    """What one ``initialize`` set up."""
+    enabled = True
+
+    def __init__(self, properties: Properties, models: List[torch.nn.Module], *, num_losses: int,
+                 verbosity: int, min_loss_scale, max_loss_scale: float, hysteresis: int,
+                 scale_window: int, process_group, overflow_patience: Optional[int],
+                 sync_interval: int):
+        self.properties = properties
+        self.models = models
+        self.verbosity = verbosity
+        self.process_group = process_group
+        self.scalers = [LossScaler(i, properties.loss_scale, min_loss_scale=min_loss_scale,
+                                   max_loss_scale=max_loss_scale, scale_window=scale_window,
+                                   hysteresis=hysteresis, sync_interval=sync_interval)
+                        for i in range(num_losses)]
+        self.skip_logs = [diagnostics.SkipLog(scaler, verbosity=verbosity,
+                                              overflow_patience=overflow_patience)
+                          for scaler in self.scalers]
+        for scaler, skip_log in zip(self.scalers, self.skip_logs):
+            scaler.on_decision = DecisionLog(self, skip_log)
+        # Every optimizer takes the fused step, on one device: the loss scales and the skip
+        # decisions live on that device and nothing is read on the host per step.
+        self.decides_on_device = False
+        self.locators: List[diagnostics.NonfiniteLocator] = []
+        self.flag_pool = FlagPool()
+        # Per model, the qualified names of the modules kept fp32 inside a half model.
+        self.kept_fp32: List[List[str]] = [[] for _ in models]
+        self._param_names: Optional[Dict[int, str]] = None
+        self.param_ids = {id(p) for m in models for p in m.parameters()}
+        # O2: per model, (qualified name, half model param, fp32 master) in named_parameters order.
+        self.master_pairs: List[List[tuple]] = [[] for _ in models]
+        self.master_of: Dict[torch.Tensor, torch.Tensor] = {}
+        self.model_of: Dict[torch.Tensor, torch.Tensor] = {}
+        self.optimizers: List[AmpOptimizer] = []
+        # The FSDP2 units of the models (fsdp.Sharding), or None when none is sharded.
+        self.sharding: Optional[fsdp.Sharding] = None
+
+    def record_placement(self) -> None:
+        """Remember each model's first parameter and its device (after the casts, which keep
+        Parameter identity), for ``check_placement``."""
+        self.first_params, self.first_slots = [], []
+        for model in self.models:
+            name, first = next(iter(model.named_parameters()), (None, None))
+            self.first_params.append(first)
+            # (module, key) of the first parameter: an O(1) look-up per step.
+            if name is None:
+                self.first_slots.append(None)
+            else:
+                owner, _, key = name.rpartition(".")
+                self.first_slots.append((model.get_submodule(owner), key))
+        self.first_devices = [None if p is None else p.device for p in self.first_params]
+        # One parameter per (model, floating dtype): model.half() / .float() / .double() after
+        # initialize changes the dtype of parameters in place, keeping their identity.
+        self.dtype_probes = []
+        for i, model in enumerate(self.models):
+            seen = set()
+            for name, p in model.named_parameters():
+                if p.is_floating_point() and p.dtype not in seen:
+                    seen.add(p.dtype)
+                    self.dtype_probes.append((i, name, p, p.dtype))
+
+    def check_placement(self, caller: str) -> None:
+        """Raise when a model was moved or its parameters replaced after ``initialize``. O(1) per
+        model: ``model.to(device)`` moves the parameters in place (same device kind family) or
+        replaces them (e.g. to "meta"); either shows on the first parameter."""
+        for i, (slot, first, device) in enumerate(zip(self.first_slots, self.first_params,
+                                                      self.first_devices)):
+            now = None if slot is None else slot[0]._parameters.get(slot[1])
+            if now is first and (now is None or now.device == device):
+                continue
+            if fsdp.registered_unsharded(first, now):
+                continue   # FSDP2 keeps the unit unsharded between its forward and backward
+            label = f"model {i}" if len(self.models) > 1 else "the model"
+            if self.sharding is None and fsdp.newly_sharded(self.models[i]):
+                raise fsdp.sharded_after_initialize(caller, label,
+                                                    self.properties.half_dtype)
+            what = (f"its parameters are now on {now.device}, but were on {device} when "
+                    f"amp.initialize ran" if now is first else
+                    f"its parameters are not the tensors amp.initialize set up (now on "
+                    f"{None if now is None else now.device}; .to() to another kind of device "
+                    f"or reassigning parameters replaces them)")
+            raise RuntimeError(
+                f"{caller}: {label} was moved after amp.initialize: {what}. The optimizer and "
+                f"amp's master weights still hold the old tensors. Move the model before "
+                f"initializing (model.to(device); then model, optimizer = amp.initialize(model, "
+                f"optimizer, ...)), or build a fresh model and optimizer on the new device, load "
+                f"their state_dicts and call amp.initialize again.")
+        self.check_dtypes(caller)
+
+    def check_dtypes(self, caller: str, model_index: Optional[int] = None) -> None:
+        """Raise when a model's parameters changed dtype after ``initialize`` (all models, or
+        the one at ``model_index``); a few attribute reads."""
+        for i, name, param, dtype in self.dtype_probes:
+            if param.dtype != dtype and (model_index is None or i == model_index):
+                label = f"model {i}" if len(self.models) > 1 else "the model"
+                raise RuntimeError(
+                    f"{caller}: the dtype of {label} changed after amp.initialize: parameter "
+                    f"{name!r} is now {param.dtype} but was {dtype} when amp.initialize set it "
+                    f"up (model.half(), .bfloat16(), .float() or .double() after initialize?). "
+                    f"amp casts the model itself at the opt level's dtypes: build the model in "
+                    f"fp32 and choose the opt level (O1 autocast, O2 half with fp32 masters, O3 "
+                    f"pure half) or half_dtype= in amp.initialize instead of casting it.")
+
+    def refuse_shared_params(self, amp_optimizer, params, caller: str) -> None:
+        """Raise when one of ``params`` (masters) is already updated by another optimizer of
+        this run: one scale_loss would unscale its gradient once per optimizer."""
+        owned = {id(p): other for other in self.optimizers if other is not amp_optimizer
+                 for p in other.masters()}
+        for p in params:
+            other = owned.get(id(p))
+            if other is not None:
+                raise ValueError(
+                    f"{caller}: parameter {self.param_name(p)!r} is already updated by "
+                    f"{other.label()}; under amp each parameter belongs to one optimizer (a "
+                    f"scale_loss given both would unscale its gradient twice, and each step() "
+                    f"would apply it again). Give each parameter to one optimizer, or use one "
+                    f"optimizer with a param group per learning rate.")
+
+    def model_zeroed(self, model: torch.nn.Module, set_to_none: bool) -> None:
+        """``model.zero_grad()`` was called: clear what amp keeps for those parameters."""
+        ids = {id(p) for p in model.parameters()}
+        for amp_opt in self.optimizers:
+            amp_opt.model_zeroed(ids, set_to_none)
+
+    def param_name(self, tensor: torch.Tensor) -> str:
+        """A parameter's (or its master's) name as ``named_parameters`` spells it, prefixed
+        with "model <i>: " when there are several models. Built on first use (error paths)."""
+        if self._param_names is None:
+            names: Dict[int, str] = {}
+            for i, model in enumerate(self.models):
+                prefix = f"model {i}: " if len(self.models) > 1 else ""
+                for name, p in model.named_parameters():
+                    names.setdefault(id(p), prefix + name)
+            for master, model_param in self.model_of.items():
+                names[id(master)] = names.get(id(model_param), "?")
+            self._param_names = names
+        return self._param_names.get(id(tensor), f"<unnamed {_describe(tensor)}>")
+
+    def locate_nonfinite(self) -> List["diagnostics.NonfiniteLocator"]:
+        """Turn the locator on for every model of this run (once)."""
+        if not self.locators:
+            self.locators = diagnostics.locate_nonfinite(self.models)
+        return self.locators
+
+    def foreign_param(self, params) -> Optional[torch.Tensor]:
+        """The first of ``params`` that is neither a model parameter nor a master, if any."""
+        for p in params:
+            if id(p) not in self.param_ids and p not in self.model_of:
+                return p
+        return None
+
+    def masters_for(self, params: Sequence[torch.Tensor], caller: str) -> List[torch.Tensor]:
+        """``params`` with each cast model parameter replaced by its fp32 master."""
+        foreign = self.foreign_param(params)
+        if foreign is not None:
+            raise ValueError(f"{caller} got a parameter ({_describe(foreign)}) that is not a "
+                             f"parameter of the model(s) passed to amp.initialize. Pass every "
+                             f"model whose parameters the optimizer updates, e.g. "
+                             f"amp.initialize([model_a, model_b], optimizer, ...).")
+        return [self.master_of.get(p, p) for p in params]
+
+
+def prepare_model(run: _Run, index: int, model: torch.nn.Module, keep_fp32_modules) -> None:
+    """Model ``index`` for ``run``: cast (O2's masters made first), forward wrapped, hooks hung,
+    marked as initialised."""
+    props = run.properties
+    cast_type = props.cast_model_type
+    if cast_type in (torch.float16, torch.bfloat16):
+        keep_bn = bool(props.keep_batchnorm_fp32)
+        kept = casting.modules_kept_fp32(model, keep_bn, keep_fp32_modules)
+        run.kept_fp32[index] = [name for name, _ in kept]
+        kept_params = {id(p) for _, m in kept for p in m.parameters()}
+        if props.master_weights:
+            # Masters are the original fp32 values, before the cast rounds them.
+            masters.make_masters(run, index, model, kept_params)
+        if run.sharding is not None:
+            run.sharding.cast_model(model, cast_type, kept,
+                                    cast_shards=not props.master_weights)
+        else:
+            casting.cast_model(model, cast_type, kept)
+    if cast_type is not None:
+        casting.wrap_forward(model, input_dtype=cast_type,
+                             output_dtype=props.cast_model_outputs or torch.float32)
+    elif props.patch_torch_functions:
+        # Outputs leave in fp32 unless asked otherwise: the loss is usually computed outside
+        # the model's forward, beyond autocast's reach, and apex's O1 ran loss functions in
+        # fp32 (by patching torch), so a half loss there would be a silent loss of precision.
+        casting.wrap_forward(model, autocast_dtype=props.half_dtype,
+                             output_dtype=props.cast_model_outputs or torch.float32)
+    elif props.cast_model_outputs is not None:
+        casting.wrap_forward(model, output_dtype=props.cast_model_outputs)
+    model_hooks.hang_on_model(model, run, index,
+                              cast_to_half=cast_type in (torch.float16, torch.bfloat16))
+    setattr(model, MARK, props.opt_level)
+
+
+def take_over_optimizer(run: _Run, opt: torch.optim.Optimizer,
+                         unfused_why: str) -> None:
+    """Hand ``opt`` its masters and patch it (``AmpOptimizer``) onto the step path chosen."""
+    for group in opt.param_groups:
+        group["params"] = run.masters_for(group["params"], "amp.initialize")
+    for model_param, master in run.master_of.items():
+        if model_param in opt.state:
+            opt.state[master] = opt.state.pop(model_param)
+    amp_opt = AmpOptimizer(opt, run, run.model_of)
+    amp_opt.path = step_path.UnfusedStep(unfused_why) if unfused_why else \
+        step_path.FusedStep(opt, run.model_of)
+    amp_opt.install()
+    # apex's mark of an initialised optimizer, which engines that call initialize lazily
+    # test with hasattr(optimizer, "_amp_stash"); what it holds is apex_lite's own state.
+    opt._amp_stash = amp_opt
+    run.optimizers.append(amp_opt)

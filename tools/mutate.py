@@ -1,0 +1,327 @@
+#!/usr/bin/env python3
+"""Can the suite fail? Break the library on purpose, one mutation at a time, and see.
+
+Each mutation in MUTATIONS replaces one piece of text in apex_lite/ (found by searching every
+.py file under apex_lite/, so a mutation survives the file it lives in being moved or split;
+the text must occur exactly once) and names the tests that claim to cover that code. For each
+mutation this script copies the working tree (the built extension included) to a scratch
+directory once, applies the change there, runs the named tests from tests/ against the scratch
+copy (as tools/test.sh runs them against the installed package), and restores the file. A
+mutation is
+
+  killed     when at least one named test fails (pytest exit status 1),
+  SURVIVED   when all of them pass: the tests do not check what they claim,
+  ERROR      when the text is not found (or not unique), the tests are not collected, or pytest
+             stops otherwise (the list needs updating, not the library).
+
+Before the mutations, the named tests are run once unmutated: they must pass, or a kill means
+nothing. Not part of CI (each mutation costs a pytest start, several seconds); run it after
+changing tests or the code they cover:
+
+    python tools/mutate.py                  # all mutations, the backends each one names
+    python tools/mutate.py -k lamb          # only those whose name contains "lamb"
+    python tools/mutate.py --list
+    python tools/mutate.py --check          # are the texts still found once? (no tests run)
+
+The exit status is 1 when a mutation survived or errored. Never commit a mutation: the working
+tree is not touched.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Sequence, Tuple
+
+ROOT = Path(__file__).resolve().parent.parent
+BACKENDS = {"native": {"APEX_LITE_REQUIRE_EXT": "1"}, "python": {"APEX_LITE_DISABLE_EXT": "1"}}
+
+
+@dataclass
+class Mutation:
+    name: str
+    find: str                   # text in some apex_lite/**/*.py, exactly once
+    replace: str
+    tests: Sequence[str]        # pytest node ids or files, relative to tests/
+    k: str = ""                 # an optional pytest -k expression
+    backends: Tuple[str, ...] = ("native",)
+
+
+M = Mutation
+MUTATIONS: List[Mutation] = [
+    # issue 34, row 1: O1 always under autocast, whatever patch_torch_functions says.
+    M("o1-ignores-patch_torch_functions",
+      "        elif props.patch_torch_functions:\n",
+      "        elif props.opt_level == \"O1\":\n",
+      ["test_amp_initialize.py::test_overrides_take_effect"]),
+    M("cast_model_outputs-ignored-at-o1",
+      "output_dtype=props.cast_model_outputs or torch.float32)\n"
+      "        elif props.cast_model_outputs",
+      "output_dtype=torch.float32)\n        elif props.cast_model_outputs",
+      ["test_amp_initialize.py::test_overrides_take_effect"]),
+    M("patch_torch_functions-override-dropped",
+      "patch_torch_functions=(level.patch_torch_functions if patch_torch_functions is None\n"
+      "                               else patch_torch_functions)",
+      "patch_torch_functions=level.patch_torch_functions",
+      ["test_amp_initialize.py::test_overrides_take_effect"]),
+    M("o1-autocast-ignores-half_dtype",
+      "casting.wrap_forward(model, autocast_dtype=props.half_dtype,",
+      "casting.wrap_forward(model, autocast_dtype=torch.bfloat16,",
+      ["test_amp_initialize.py::test_dtypes_per_level"]),
+    # row 2: FusedLAMB ignoring GradScaler's scale (the unscaled gradients' norm still clips).
+    M("lamb-ignores-grad-scaler-scale",
+      "update(state, inv_scale, found_inf, self._hyper(group), norm, grads=update_grads)",
+      "update(state, torch.ones_like(inv_scale), found_inf, self._hyper(group), norm, "
+      "grads=update_grads)",
+      ["test_fused_optimizers.py::test_grad_scaler_hands_scale_and_found_inf_to_the_op"],
+      k="lamb and not clipped", backends=("native", "python")),
+    # row 3: apex's amp_C.multi_tensor_adam mapped wrongly, seen by the half cases alone.
+    M('adam-weight-decay-mode-swapped-bf16',
+      'float(weight_decay), mode == 1,\n            bool(bias_correction))',
+      'float(weight_decay), mode == 0,\n            bool(bias_correction))',
+      ["test_apex_multi_tensor.py::test_adam"], k="cpu and bf16"),
+    M('adam-weight-decay-mode-swapped-fp16',
+      'float(weight_decay), mode == 1,\n            bool(bias_correction))',
+      'float(weight_decay), mode == 0,\n            bool(bias_correction))',
+      ["test_apex_multi_tensor.py::test_adam"], k="cpu and fp16"),
+    M('adam-weight-decay-ignored-bf16',
+      'float(eps), float(weight_decay), mode == 1,\n            bool(bias_correction))',
+      'float(eps), 0.0, mode == 1,\n            bool(bias_correction))',
+      ["test_apex_multi_tensor.py::test_adam"], k="cpu and bf16"),
+    M('adam-weight-decay-ignored-fp16',
+      'float(eps), float(weight_decay), mode == 1,\n            bool(bias_correction))',
+      'float(eps), 0.0, mode == 1,\n            bool(bias_correction))',
+      ["test_apex_multi_tensor.py::test_adam"], k="cpu and fp16"),
+    M('adam-eps-1e-3-bf16',
+      'float(eps), float(weight_decay), mode == 1,\n            bool(bias_correction))',
+      '1e-3, float(weight_decay), mode == 1,\n            bool(bias_correction))',
+      ["test_apex_multi_tensor.py::test_adam"], k="cpu and bf16"),
+    M('adam-eps-1e-3-fp16',
+      'float(eps), float(weight_decay), mode == 1,\n            bool(bias_correction))',
+      '1e-3, float(weight_decay), mode == 1,\n            bool(bias_correction))',
+      ["test_apex_multi_tensor.py::test_adam"], k="cpu and fp16"),
+    M('adam-lr-x1.5-bf16',
+      'inv_scale, found_inf,\n            call.lr, float(beta1)',
+      'inv_scale, found_inf,\n            call.lr * 1.5, float(beta1)',
+      ["test_apex_multi_tensor.py::test_adam"], k="cpu and bf16"),
+    M('adam-lr-x1.5-fp16',
+      'inv_scale, found_inf,\n            call.lr, float(beta1)',
+      'inv_scale, found_inf,\n            call.lr * 1.5, float(beta1)',
+      ["test_apex_multi_tensor.py::test_adam"], k="cpu and fp16"),
+    M('adam-step-off-by-one-bf16',
+      'self.steps = _step_counts(op, step, len(self.params), self.device)',
+      'self.steps = _step_counts(op, step + 1, len(self.params), self.device)',
+      ["test_apex_multi_tensor.py::test_adam"], k="cpu and bf16"),
+    M('adam-step-off-by-one-fp16',
+      'self.steps = _step_counts(op, step, len(self.params), self.device)',
+      'self.steps = _step_counts(op, step + 1, len(self.params), self.device)',
+      ["test_apex_multi_tensor.py::test_adam"], k="cpu and fp16"),
+    # row 4: the ported apex tests' "option" cases use their options.
+    M("adam-betas-ignored",
+      'beta1, beta2 = group["betas"]', 'beta1, beta2 = 0.9, 0.999',
+      ["test_fused_optimizers.py::test_apex_fused_optimizer_against_torch"], k="adam and option"),
+    M("sgd-dampening-and-weight-decay-ignored",
+      'float(group["dampening"]),\n                   float(group["weight_decay"])',
+      '0.0,\n                   0.0',
+      ["test_fused_optimizers.py::test_apex_fused_optimizer_against_torch"], k="sgd and option"),
+    M("lamb-betas-0-eps-10",
+      "return cls(*AdamHyper.from_group(group), bool(group[\"grad_averaging\"]),",
+      "return cls(*AdamHyper.from_group(dict(group, betas=(0.0, 0.0), eps=10.0)), "
+      "bool(group[\"grad_averaging\"]),",
+      ["test_fused_optimizers.py::test_apex_lamb_against_apex_reference"], k="option"),
+    # row 5: zero_grad(set_to_none=False) must zero what the step applies (O2: the masters').
+    M("zero_grad-keeps-stale-gradients-when-not-set-to-none",
+      "        self._reset(set_to_none)\n        self._original_zero_grad(set_to_none=set_to_none)",
+      "        self._reset(set_to_none)\n"
+      "        self._original_zero_grad(set_to_none=True) if set_to_none else None",
+      ["test_amp_misuse.py::test_zeroed_gradients_of_an_unused_optimizer_step_as_in_torch"]),
+    # row 6: an unfused step that does nothing.
+    M("unfused-step-does-nothing",
+      "            return None\n        return self.path.apply(self, None)",
+      "            return None\n        return None",
+      ["test_amp_misuse.py::test_one_handle_per_thread_trains_independently"]),
+    # row 7: the JIT path, tested against the checkout's csrc/ (no longer skipped in CI).
+    M("jit-error-reported-without-the-compiler-message",
+      'compiling the kernels failed: {type(exc).__name__}: {exc}"',
+      'compiling the kernels failed: {type(exc).__name__}"',
+      ["test_multi_tensor.py::test_jit_compiler_error_is_reported_whole"]),
+    M("jit-build-without-the-cpu-sources",
+      'sources += sorted(glob.glob(os.path.join(CSRC, "cpu", "*.cpp")))',
+      'sources += []',
+      ["test_multi_tensor.py::test_jit_build_compiles_every_source_with_setup_py_flags"]),
+    M("jit-build-without-setup-py-flags",
+      "extra_cflags=flags.cxx_flags(flags.cpu_arch())", "extra_cflags=[\"-O2\"]",
+      ["test_multi_tensor.py::test_jit_build_compiles_every_source_with_setup_py_flags"]),
+    # row 9: gradient accumulation against plain torch (O2 with delay_unscale exact, not 2e-2).
+    M("unscale-off-by-0.4-percent",
+      "        inv_scale = scale.inv\n        accumulate = self.grad_state == UNSCALED",
+      "        inv_scale = scale.inv * 1.004\n        accumulate = self.grad_state == UNSCALED",
+      ["test_amp_scaling.py::test_gradient_accumulation"], k="True-O2-unfused"),
+    M("accumulation-keeps-only-the-last-micro-batch",
+      "        accumulate = self.grad_state == UNSCALED",
+      "        accumulate = False",
+      ["test_amp_scaling.py::test_gradient_accumulation"], k="False-O2-unfused"),
+    M("accumulated-gradients-not-unscaled",
+      "scale if isinstance(scale, torch.Tensor) else float(scale), 1.0, found_inf)",
+      "1.0, 1.0, found_inf)",
+      ["test_amp_scaling.py::test_gradient_accumulation"], k="O1"),
+    # row 10: what was untested.
+    M("register_promote_function-registers-half",
+      '``promote_function``."""\n    _register("promote", module, name)',
+      '``promote_function``."""\n    _register("half", module, name)',
+      ["test_amp_initialize.py::test_register_functions_and_disable_casts"]),
+    M("promote-casts-to-fp32-always",
+      "            dtype = _widest(args, kwargs)", "            dtype = torch.float32",
+      ["test_amp_initialize.py::test_register_functions_and_disable_casts"]),
+    M("explicit-process_group-dropped",
+      "hysteresis=hysteresis, scale_window=scale_window, process_group=process_group,",
+      "hysteresis=hysteresis, scale_window=scale_window, process_group=None,",
+      ["test_distributed.py::"
+       "test_an_explicit_process_group_is_the_one_the_overflow_flag_is_reduced_over"]),
+    M("scale_loss-model-taken-for-delay_unscale",
+      "loss_id=loss_id, model=model,\n"
+      "                                      delay_unscale=delay_unscale,",
+      "loss_id=loss_id, model=None,\n"
+      "                                      delay_unscale=delay_unscale or model is not None,",
+      ["test_amp_scaling.py::test_scale_loss_takes_apex_model_argument_and_trains_as_without_it"]),
+    M("apex_alias-module-gets-the-wrong-argv",
+      "        sys.argv = argv[1:]\n        runpy.run_module(",
+      "        sys.argv = argv\n        runpy.run_module(",
+      ["test_apex_alias.py::test_the_command_runs_a_module_with_the_alias"]),
+    M("o2-masters-ignore-half-loads",
+      "                elif not torch.equal(master.to(model_param.dtype), model_param):\n"
+      "                    master.copy_(model_param)",
+      "                elif False:\n                    master.copy_(model_param)",
+      ["test_amp_checkpoint.py::"
+       "test_loading_half_weights_into_an_o2_model_moves_the_masters_to_them"]),
+    M("o2-masters-replaced-by-their-own-rounding",
+      "                elif not torch.equal(master.to(model_param.dtype), model_param):\n"
+      "                    master.copy_(model_param)",
+      "                else:\n                    master.copy_(model_param)",
+      ["test_amp_checkpoint.py::"
+       "test_loading_half_weights_into_an_o2_model_moves_the_masters_to_them"]),
+]
+
+
+def _sources(tree: Path) -> List[Path]:
+    return sorted(p for p in (tree / "apex_lite").rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def locate(tree: Path, text: str) -> Tuple[Path, str]:
+    """The one file under ``tree``/apex_lite holding ``text`` once, and its contents."""
+    hits = []
+    for path in _sources(tree):
+        content = path.read_text()
+        count = content.count(text)
+        if count:
+            hits.append((path, content, count))
+    if len(hits) != 1 or hits[0][2] != 1:
+        where = ", ".join(f"{p.relative_to(tree)} x{c}" for p, _, c in hits) or "nowhere"
+        raise LookupError(f"text found {where}; it must occur exactly once")
+    return hits[0][0], hits[0][1]
+
+
+def run_tests(tree: Path, tests: Sequence[str], k: str, backend: str, timeout: float):
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("APEX_LITE_REQUIRE_EXT", "APEX_LITE_DISABLE_EXT")}
+    env.update(BACKENDS[backend], PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1")
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+    if k:
+        cmd += ["-k", k]
+    try:
+        proc = subprocess.run(cmd, cwd=tree / "tests", env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return "timeout", ""
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    return proc.returncode, (lines[-1] if lines else proc.stderr.strip()[-300:])
+
+
+def copy_tree(scratch: Path) -> Path:
+    tree = scratch / "tree"
+    shutil.copytree(ROOT, tree, ignore=shutil.ignore_patterns(
+        ".git", "__pycache__", "*.pyc", "build", ".pytest_cache", "bench"))
+    return tree
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("-k", default="", help="only mutations whose name contains this")
+    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--check", action="store_true",
+                        help="only check that each mutation's text is found once (after code "
+                             "moved), run no tests")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per pytest run")
+    parser.add_argument("--keep", action="store_true", help="keep the scratch copy")
+    args = parser.parse_args(argv)
+    chosen = [m for m in MUTATIONS if args.k in m.name]
+    if args.list:
+        for m in chosen:
+            print(f"{m.name}: {' '.join(m.tests)}{' -k ' + m.k if m.k else ''} "
+                  f"[{', '.join(m.backends)}]")
+        return 0
+    if args.check:
+        missing = 0
+        for m in chosen:
+            try:
+                path, _ = locate(ROOT, m.find)
+                print(f"{m.name}: {path.relative_to(ROOT)}")
+            except LookupError as exc:
+                missing += 1
+                print(f"{m.name}: ERROR {exc}")
+        return 1 if missing else 0
+    scratch = Path(tempfile.mkdtemp(prefix="apex_lite_mutate_"))
+    results = []
+    try:
+        tree = copy_tree(scratch)
+        # The named tests must pass unmutated, per backend.
+        for backend in BACKENDS:
+            groups = {}
+            for m in chosen:
+                if backend in m.backends:
+                    groups.setdefault(m.k, set()).update(m.tests)
+            for k, tests in groups.items():
+                status, last = run_tests(tree, sorted(tests), k, backend, args.timeout)
+                print(f"baseline [{backend}{' -k ' + k if k else ''}]: {last}", flush=True)
+                if status != 0:
+                    print("the named tests fail unmutated: fix them first", file=sys.stderr)
+                    return 1
+        for m in chosen:
+            try:
+                path, original = locate(tree, m.find)
+            except LookupError as exc:
+                results.append((m.name, "-", "ERROR", str(exc)))
+                print(f"{m.name}: ERROR {exc}", flush=True)
+                continue
+            path.write_text(original.replace(m.find, m.replace))
+            try:
+                for backend in m.backends:
+                    start = time.monotonic()
+                    status, last = run_tests(tree, m.tests, m.k, backend, args.timeout)
+                    verdict = {0: "SURVIVED", 1: "killed"}.get(status, "ERROR")
+                    rel = path.relative_to(tree)
+                    results.append((m.name, backend, verdict, f"{rel}: {last}"))
+                    print(f"{m.name} [{backend}] {verdict} ({time.monotonic() - start:.0f}s) "
+                          f"{rel}: {last}", flush=True)
+            finally:
+                path.write_text(original)
+    finally:
+        if args.keep:
+            print(f"scratch copy kept at {scratch}")
+        else:
+            shutil.rmtree(scratch, ignore_errors=True)
+    bad = [r for r in results if r[2] != "killed"]
+    print(f"\n{len(results) - len(bad)} of {len(results)} mutation runs killed"
+          + ("".join(f"\n  {name} [{backend}]: {verdict} {detail}"
+                     for name, backend, verdict, detail in bad)))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
