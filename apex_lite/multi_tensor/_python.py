@@ -13,7 +13,6 @@ floating tensors of fp32/fp16/bf16, matching shapes, ``found_inf`` a 1-element f
 """
 from __future__ import annotations
 
-import math
 from typing import List, Sequence, Tuple, Union
 
 import torch
@@ -234,11 +233,6 @@ def fused_sgd_(params: Tensors, grads: Tensors, momentum_buffers: Tensors, model
             found_inf)
 
 
-def _reciprocal(x: float) -> float:
-    """1 / x in double with C++'s IEEE result at 0 (an infinity), where Python raises."""
-    return 1.0 / x if x != 0.0 else math.copysign(math.inf, x)
-
-
 def _bias_corrections(steps: Tensors, beta1: float, beta2: float, bias_correction: bool
                       ) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
     """(r1, r2) per tensor for the step each is about to take, as 0-dim fp32 tensors on the
@@ -322,7 +316,7 @@ def fused_lamb_mp_(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_s
     taken = step.reshape(1).to(torch.float32) - 1.0
     steps = list(taken.expand(len(params)).clone().unbind(0))
     fused_lamb_(params, grads, exp_avgs, exp_avg_sqs, model_params, steps, inv_scale, found_inf,
-                grad_norm, float(lr), beta1, beta2, eps, weight_decay, adam_w_mode,
+                grad_norm, lr, beta1, beta2, eps, weight_decay, adam_w_mode,
                 bias_correction, grad_averaging, max_grad_norm, use_nvlamb)
 
 # ---- end fused_lamb_mp_ ----
@@ -330,12 +324,16 @@ def fused_lamb_mp_(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_s
 
 def fused_lamb_(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors,
                 model_params: Tensors, steps: Tensors, inv_scale: torch.Tensor,
-                found_inf: torch.Tensor, grad_norm: torch.Tensor, lr: float, beta1: float,
-                beta2: float, eps: float, weight_decay: float, adam_w_mode: bool,
-                bias_correction: bool, grad_averaging: bool, max_grad_norm: float,
-                use_nvlamb: bool) -> None:
+                found_inf: torch.Tensor, grad_norm: torch.Tensor,
+                lr: Union[float, torch.Tensor], beta1: float, beta2: float, eps: float,
+                weight_decay: float, adam_w_mode: bool, bias_correction: bool,
+                grad_averaging: bool, max_grad_norm: float, use_nvlamb: bool) -> None:
     if not params:
         return
+    # lr rounded once to fp32, on the device (fused_lamb_mp_'s is a tensor: no host read).
+    lr32 = lr.reshape(()).to(device=found_inf.device, dtype=torch.float32) \
+        if isinstance(lr, torch.Tensor) else \
+        torch.full((), lr, dtype=torch.float32, device=found_inf.device)
     writes: Writes = []
     g = _true_grads(grads, inv_scale)
     if max_grad_norm > 0.0:
@@ -350,11 +348,10 @@ def fused_lamb_(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs:
     if use_nvlamb or weight_decay != 0.0:
         p_norms = torch._foreach_norm(p, 2)
         u_norms = torch._foreach_norm(update, 2)
-        lr32 = torch.full((), lr, dtype=torch.float32, device=found_inf.device)
         for u, pn, un in zip(update, p_norms, u_norms):
             trusted = (pn != 0) & (un != 0)
             ratio = torch.where(trusted, lr32 * (pn / torch.where(trusted, un, 1.0)), lr32)
             u.mul_(ratio)
     else:
-        torch._foreach_mul_(update, lr)
+        torch._foreach_mul_(update, lr32)
     _finish(params, torch._foreach_sub(p, update), model_params, writes, found_inf)
