@@ -12,7 +12,7 @@ import torch
 
 from amp_helpers import CountSyncs
 from apex_lite import amp
-from apex_lite.optimizers import FusedAdam, FusedLAMB, FusedSGD
+from apex_lite.optimizers import FusedAdam, FusedLAMB, FusedMixedPrecisionLamb, FusedSGD
 
 STEP_PATHS = pytest.mark.parametrize("fused_step", [True, False], ids=["fused", "unfused"])
 
@@ -91,7 +91,9 @@ def _six_layers():
 
 FUSED = {"FusedAdam": lambda p: FusedAdam(p, lr=1e-3, weight_decay=0.01),
          "FusedLAMB": lambda p: FusedLAMB(p, lr=1e-3, weight_decay=0.01),
-         "FusedSGD": lambda p: FusedSGD(p, lr=1e-3, momentum=0.9)}
+         "FusedSGD": lambda p: FusedSGD(p, lr=1e-3, momentum=0.9),
+         "FusedMixedPrecisionLamb": lambda p: FusedMixedPrecisionLamb(p, lr=1e-3,
+                                                                      weight_decay=0.01)}
 
 
 @pytest.mark.parametrize("name", sorted(FUSED))
