@@ -1,11 +1,12 @@
 """apex's semantics that a user cannot see until training goes wrong (apex's L0 multiple-models,
 add_param_group and checkpointing tests are the model): O2 master gradients start afresh after
 every step however the model's gradients were cleared, and accumulate as torch's .grad does when
-they were not; each optimizer skips only when a gradient it updates is non-finite, each loss
-scaler backs off only for its own backward; ``cast_model_type=False``; fp32 model checkpoints.
+they were not; apex's skip rule (an overflow in a scale_loss backward skips every optimizer given
+to that scale_loss, and no other), each loss scaler backing off only for its own backward;
+``cast_model_type=False``; fp32 model checkpoints.
 
-The table compares amp with a plain fp32 run of the same models that skips, per optimizer, the
-steps whose gradients hold inf or NaN (what a correct amp must do).
+The table compares amp with a plain fp32 run of the same models that skips, by apex's rule, the
+steps whose backwards overflowed (what a correct amp must do).
 """
 from __future__ import annotations
 
@@ -91,20 +92,40 @@ def _inject(models, step: int, backward: int, inject) -> None:
         models[backward].weight.grad[0, 0] = float("inf")
 
 
+def _given(opts, n_opts: int, shared: bool):
+    """The optimizers each loss's scale_loss is given."""
+    if n_opts == 1:
+        return [[opts[0]], [opts[0]]]
+    return [[opts[0]], [opts[1], opts[0]] if shared else [opts[1]]]
+
+
+def _nonfinite(params) -> set:
+    return {id(p) for p in params if p.grad is not None and not torch.isfinite(p.grad).all()}
+
+
 def _reference(clearing, n_opts, shared, inject, x):
-    """Plain fp32 torch; an optimizer skips a step whose gradients are not all finite."""
+    """Plain fp32 torch with apex's rule: a backward overflowed when a gradient it reached is not
+    finite after it (and was finite before it in this step); then every optimizer given to its
+    scale_loss skips."""
     models = _models(shared)
     opts = _optimizers(models, n_opts)
+    given = _given(opts, n_opts, shared)
+    a, b, *s = models
+    reached = [[p for m in [a, *s] for p in m.parameters()],
+               [p for m in [b, *s] for p in m.parameters()]]
     skipped = []
     for step in range(STEPS):
         _clear(clearing, models, opts)
-        loss0, loss1 = _losses(models, x)
-        loss0.backward()
-        _inject(models, step, 0, inject)
-        loss1.backward()
-        _inject(models, step, 1, inject)
-        grads = [[p.grad for g in o.param_groups for p in g["params"]] for o in opts]
-        skips = [any(g is not None and not torch.isfinite(g).all() for g in gs) for gs in grads]
+        bad_this_step: set = set()
+        skipping = set()
+        for backward, loss in enumerate(_losses(models, x)):
+            loss.backward()
+            _inject(models, step, backward, inject)
+            bad = _nonfinite(reached[backward])
+            if bad - bad_this_step:
+                skipping.update(id(o) for o in given[backward])
+            bad_this_step |= bad
+        skips = [id(o) in skipping for o in opts]
         skipped.append(skips)
         for o, skip in zip(opts, skips):
             if not skip:
@@ -138,10 +159,7 @@ def _amp_run(level, clearing, n_opts, n_scalers, shared, inject, x, fused_step):
     models, opts = amp.initialize(models, opts, opt_level=level, num_losses=n_scalers,
                                   verbosity=0, fused_step=_path(level, fused_step))
     assert all(o._apex_lite_amp.path.fused for o in opts) == bool(fused_step)
-    if n_opts == 1:
-        given = [[opts[0]], [opts[0]]]
-    else:
-        given = [[opts[0]], [opts[1], opts[0]] if shared else [opts[1]]]
+    given = _given(opts, n_opts, shared)
     loss_ids = [0, 0] if n_scalers == 1 else [0, 1]
     steps_taken = []
     for step in range(STEPS):

@@ -41,6 +41,23 @@ def test_without_injection_no_rank_skips(tmp_path):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("fused_step", ["true", "false"])
+def test_one_ranks_overflow_skips_every_optimizer_of_the_scale_loss_on_every_rank(tmp_path,
+                                                                                  fused_step):
+    """apex's rule under DDP: the inf is in optimizer 0's gradient on rank 1 only; both
+    optimizers given to the scale_loss skip, on both ranks."""
+    steps, inject = 4, 1
+    results = run_ranks(tmp_path, extra=("--steps", str(steps), "--inject-step", str(inject),
+                                         "--inject-rank", "1", "--two-optimizers",
+                                         "--fused-step", fused_step))
+    expected = [[step != inject] * 2 for step in range(steps)]
+    for r in results:
+        assert r["stepped"] == expected, f"rank {r['rank']} stepped {r['stepped']}"
+    for a, b in zip(results[0]["params"] + results[0]["masters"],
+                    results[1]["params"] + results[1]["masters"]):
+        assert torch.equal(a, b)
+
+
 def test_an_explicit_process_group_is_the_one_the_overflow_flag_is_reduced_over(tmp_path):
     """Each rank passes initialize(process_group=) a group of itself alone: rank 1's overflow
     skips its step only (over the default group, both ranks would skip it)."""

@@ -202,7 +202,10 @@ def test_batchnorm_kept_fp32_in_units_of_its_own(runs, path):
     ("order_O1", ["sharded with fully_shard after amp.initialize",
                   "fully_shard each block, then the root", "then model, optimizer = "
                   "amp.initialize(model, optimizer, ...)"]),
-    ("order_O2", ["sharded with fully_shard after amp.initialize"]),
+    ("order_O2", ["sharded with fully_shard after amp.initialize",
+                  # the run's half dtype (bf16 on the CPU; fp16 on CUDA: test_amp_cuda.py)
+                  "mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
+                  "reduce_dtype=torch.float32)"]),
     ("optimizer_before_shard", ["an optimizer must be built after it"]),
     ("O2_no_policy", [
         "mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, "

@@ -149,12 +149,23 @@ def floor_description(scaler) -> str:
     return f"{scaler.loss_scale} (halved on every skip, no min_loss_scale)"
 
 
-def nonfinite_gradient_names(run, amp_optimizers) -> List[str]:
+def nonfinite_gradient_names(run, amp_optimizers, evidence=None) -> List[str]:
     """The names of the parameters whose (unscaled) gradients hold inf or NaN, from the kernels'
-    per-tensor flags; one host copy per device. Only called on the error path."""
+    per-tensor flags; one host copy per device. Only called on the error path. ``evidence``:
+    ``{amp_optimizer: [(model parameters, their per-tensor flags)]}`` that the fused step's
+    check kept of the decision being reported (``OverflowCheck.keep_flags``; the gradients may
+    have been cleared since); an optimizer without evidence is read from its gradients now."""
     names: List[str] = []
     seen = set()
     for amp_opt in amp_optimizers:
+        kept = (evidence or {}).get(amp_opt)
+        if kept:
+            for params, flags in kept:
+                for p, bad in zip(params, flags.tolist()):
+                    if bad and id(p) not in seen:
+                        seen.add(id(p))
+                        names.append(run.param_name(p))
+            continue
         for group in amp_opt.groups().values():
             # The master's gradient, or on the fused step the model's (still scaled, which
             # does not change whether it is finite).
@@ -173,9 +184,28 @@ def nonfinite_gradient_names(run, amp_optimizers) -> List[str]:
     return names
 
 
-def stuck_error(run, amp_optimizers, log: SkipLog, loss_nonfinite: bool) -> OverflowStuckError:
+def half_copies_out_of_range(run, amp_optimizers) -> List[str]:
+    """The names of O2's half model parameters that hold inf or NaN while their fp32 master is
+    finite: a master beyond the half dtype's range, rounded to inf by the copy (which flags only
+    its inputs). One host copy per device; only called on the error path."""
+    names: List[str] = []
+    for amp_opt in amp_optimizers:
+        for group in amp_opt.groups().values():
+            if not group.half_models:
+                continue
+            flags = multi_tensor.nonfinite_flags(local_shards(
+                list(group.half_models) + list(group.half_masters))).tolist()
+            n = len(group.half_models)
+            names.extend(run.param_name(p) for p, half_bad, master_bad
+                         in zip(group.half_models, flags[:n], flags[n:])
+                         if half_bad and not master_bad)
+    return names
+
+
+def stuck_error(run, amp_optimizers, log: SkipLog, loss_nonfinite: bool,
+                evidence=None) -> OverflowStuckError:
     """The error for ``overflow_patience`` skips in a row at the floor, with the locator turned
-    on for the next forward."""
+    on for the next forward (``evidence``: see ``nonfinite_gradient_names``)."""
     scaler = log.scaler
     n, bad_losses = log.floor_skips, log.floor_nonfinite_losses
     if loss_nonfinite:
@@ -187,13 +217,26 @@ def stuck_error(run, amp_optimizers, log: SkipLog, loss_nonfinite: bool) -> Over
                  "as in half, whatever the scale. Check the learning rate (diverged weights), "
                  "the inputs, and layers that overflow in half precision (keep them fp32 with "
                  "keep_fp32_modules).")
-    names = nonfinite_gradient_names(run, amp_optimizers)
+    names = nonfinite_gradient_names(run, amp_optimizers, evidence)
     if names:
         shown = ", ".join(repr(name) for name in names[:MAX_NAMES])
         more = f" and {len(names) - MAX_NAMES} more" if len(names) > MAX_NAMES else ""
         where = f"Parameters whose gradients were inf or NaN: {shown}{more}."
+    elif loss_nonfinite:
+        where = "No parameter's gradient held inf or NaN (only the loss did)."
     else:
-        where = "No parameter's unscaled gradient held inf or NaN (only the loss did)."
+        where = ("amp cannot name the parameters: no gradient it holds now is inf or NaN (the "
+                 "gradients of the skipped step were cleared or overwritten before the decision "
+                 "was read on the host).")
+    halves = half_copies_out_of_range(run, amp_optimizers)
+    if halves:
+        half = run.properties.half_dtype
+        where += (f" Half parameters that hold inf or NaN while their fp32 master weight is "
+                  f"finite (the master is beyond the range of {half}, whose largest value is "
+                  f"{torch.finfo(half).max:g}; the forward then overflows): "
+                  f"{', '.join(repr(name) for name in halves[:MAX_NAMES])}. The weights "
+                  f"diverged: lower the learning rate, or keep those modules fp32 "
+                  f"(keep_fp32_modules).")
     run.locate_nonfinite()
     return OverflowStuckError(
         f"loss scaler {scaler.loss_id}: {n} steps in a row were skipped with the loss scale at "

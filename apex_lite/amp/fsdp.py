@@ -427,13 +427,15 @@ def _owner(param_name: str, owners: Dict[str, torch.nn.Module]) -> Optional[str]
         path = path.rpartition(".")[0]
 
 
-def sharded_after_initialize(caller: str, label: str) -> RuntimeError:
-    """The error for ``fully_shard`` applied after ``amp.initialize`` (the other order)."""
+def sharded_after_initialize(caller: str, label: str, half_dtype: torch.dtype) -> RuntimeError:
+    """The error for ``fully_shard`` applied after ``amp.initialize`` (the other order);
+    ``half_dtype``: the run's (fp16 on CUDA unless the user chose), which the policy it suggests
+    computes in, so that the next ``initialize`` with the same arguments accepts it."""
     return RuntimeError(
         f"{caller}: {label} was sharded with fully_shard after amp.initialize, which replaced "
         f"its parameters by DTensor shards that amp and the optimizer do not hold. amp supports "
         f"the order FSDP2 uses: build the model; fully_shard each block, then the root (with "
-        f"mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
+        f"mp_policy=MixedPrecisionPolicy(param_dtype={half_dtype}, "
         f"reduce_dtype=torch.float32) for O2); build the optimizer over model.parameters(); "
         f"then model, optimizer = amp.initialize(model, optimizer, ...).")
 

@@ -110,8 +110,9 @@ class AmpHandle:
         if run.optimizers and len(devices) == 1 and all(amp_opt.path.fused
                                                           for amp_opt in run.optimizers):
             run.decides_on_device = True
+            device = next(iter(devices))   # every scaler beside the parameters (not popped)
             for scaler in run.scalers:
-                scaler.use_device(devices.pop() if len(devices) == 1 else scaler.device())
+                scaler.use_device(device)
         run.record_placement()
         self._run = run
         if locate_nonfinite:
@@ -192,7 +193,11 @@ class AmpHandle:
         stashes = [amp_opt.before_backward() for amp_opt in amp_opts]
         for amp_opt in amp_opts:
             amp_opt.in_scale_loss = True
-        scaled_loss = loss.float() * scale.multiplier
+        multiplier = scale.multiplier
+        if isinstance(multiplier, torch.Tensor) and multiplier.device != loss.device:
+            # A device scale beside the masters, the loss elsewhere (FSDP2's CPU offload).
+            multiplier = multiplier.to(loss.device)
+        scaled_loss = loss.float() * multiplier
         backward = model_hooks._BackwardWatch(scaled_loss)
         try:
             yield scaled_loss

@@ -59,12 +59,17 @@ def _ops(scale: Scale, found_inf: torch.Tensor):
     return _python if isinstance(scale, torch.Tensor) else ops_for(found_inf.device)
 
 
+def _on_flag_device(scale: Scale, found_inf: torch.Tensor) -> Scale:
+    """A device scale moved where the flag (each device group's) is, as the flags are: a group
+    added on another GPU after ``initialize`` unscales there (a no-op on the same device)."""
+    return scale.to(found_inf.device) if isinstance(scale, torch.Tensor) else float(scale)
+
+
 def fused_scale(inputs: List[torch.Tensor], outputs: List[torch.Tensor], scale: Scale,
                 found_inf: torch.Tensor) -> None:
     """``multi_tensor.scale`` for lists amp built."""
     ops = _ops(scale, found_inf)
-    if not isinstance(scale, torch.Tensor):
-        scale = float(scale)
+    scale = _on_flag_device(scale, found_inf)
     same = outputs is inputs
     inputs = local_shards(inputs)
     outputs = inputs if same else local_shards(outputs)
@@ -78,14 +83,16 @@ def fused_accumulate(new: List[torch.Tensor], into: List[torch.Tensor], scale: S
                      found_inf: torch.Tensor) -> None:
     """``into += scale * new`` (``multi_tensor.axpby`` in place) for lists amp built."""
     ops = _ops(scale, found_inf)
-    ops.axpby_(local_shards(new), local_shards(into),
-               scale if isinstance(scale, torch.Tensor) else float(scale), 1.0, found_inf)
+    ops.axpby_(local_shards(new), local_shards(into), _on_flag_device(scale, found_inf), 1.0,
+               found_inf)
 
 
-def flag_nonfinite(tensors: List[torch.Tensor], found_inf: torch.Tensor) -> None:
-    """Set ``found_inf`` when one of ``tensors`` holds inf or NaN; reads only, no sync."""
-    bad = ops_for(found_inf.device).nonfinite_flags(local_shards(tensors)).any()
-    torch.maximum(found_inf, bad.to(found_inf.dtype).reshape(1), out=found_inf)
+def flag_nonfinite(tensors: List[torch.Tensor], found_inf: torch.Tensor) -> torch.Tensor:
+    """Set ``found_inf`` when one of ``tensors`` holds inf or NaN; reads only, no sync. Returns
+    the per-tensor flags (a bool tensor on the device)."""
+    flags = ops_for(found_inf.device).nonfinite_flags(local_shards(tensors))
+    torch.maximum(found_inf, flags.any().to(found_inf.dtype).reshape(1), out=found_inf)
+    return flags
 
 
 def present_grads(tensors: List[torch.Tensor]) -> List[torch.Tensor]:

@@ -105,6 +105,12 @@ def _parse_dtype(name: str, value, allowed) -> Optional[torch.dtype]:
     return value
 
 
+def default_half_dtype(device_type: str) -> torch.dtype:
+    """The half dtype amp uses on ``device_type`` unless told otherwise: fp16 on CUDA (apex's),
+    bf16 elsewhere."""
+    return torch.float16 if device_type == "cuda" else torch.bfloat16
+
+
 def resolve_properties(opt_level, *, device_type: str, half_dtype=None, cast_model_type=None,
                        patch_torch_functions=None, keep_batchnorm_fp32=None, master_weights=None,
                        loss_scale=None, cast_model_outputs=None) -> Properties:
@@ -130,7 +136,7 @@ def resolve_properties(opt_level, *, device_type: str, half_dtype=None, cast_mod
         if cast_model_type in HALF_DTYPES:
             half_dtype = cast_model_type
         else:
-            half_dtype = torch.float16 if device_type == "cuda" else torch.bfloat16
+            half_dtype = default_half_dtype(device_type)
     elif cast_model_type in HALF_DTYPES and cast_model_type != half_dtype:
         raise ValueError(f"cast_model_type={cast_model_type} contradicts half_dtype={half_dtype}; "
                          f"pass only one of them")

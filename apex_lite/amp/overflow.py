@@ -5,17 +5,19 @@ given. The check holds one ``found_inf`` flag (a 1-element fp32 tensor, zeroed h
 optimizer and device, which the unscale kernels set when the gradients that THIS backward added
 to that optimizer's parameters hold inf or NaN, and the loss. ``resolve()`` reads them all in the
 only host sync of the step (after an all-reduce MAX when torch.distributed is initialised), and
-decides two things apart, as apex (which checked each backward's own contribution) and torch's
-GradScaler (which decides per optimizer) do:
-- the loss scaler's overflow: any flag of this backward, or a non-finite loss. The scaler is
-  updated once, and the decision handed to its ``SkipLog`` (what to log; whether steps are stuck
-  overflowing at the lowest scale, then ``OverflowStuckError``);
-- per optimizer, whether it must skip: its own flags, or a non-finite loss. An optimizer whose
-  parameters this backward left finite steps, even when another optimizer of the same
-  ``scale_loss`` overflowed.
+decides, as apex did:
+- whether this backward overflowed: any flag of this backward, or a non-finite loss. Its loss
+  scaler is updated once with that decision (it backs off only for its own backward), and the
+  decision is handed to its ``SkipLog`` (what to log; whether steps are stuck overflowing at the
+  lowest scale, then ``OverflowStuckError``);
+- which optimizers skip: when this backward overflowed, every optimizer given to its
+  ``scale_loss`` (what the loss fed is suspect, whichever optimizer's gradient held the inf),
+  never one that was not given to it.
 When a backward adds to gradients that an earlier backward of the same step left non-finite, the
-accumulation re-flags them in a ``carried`` flag, which makes the optimizer skip (what it would
-apply is not finite) without charging this loss's scaler for another backward's overflow.
+accumulation re-flags them in a ``carried`` flag, which makes that optimizer skip (what it would
+apply is not finite) without charging this loss's scaler, or the other optimizers of this
+``scale_loss``, for another backward's overflow. The flags are all-reduced before anything is
+decided, so every rank of a distributed run skips the same optimizers.
 
 When the scaler keeps its scale on the device (every optimizer of the run takes the fused step),
 ``resolve`` makes the same two decisions on the device instead, reading nothing on the host: the
@@ -24,6 +26,7 @@ step kernel reads; the host learns of the decisions later (``LossScaler.sync``).
 """
 from __future__ import annotations
 
+import collections
 import functools
 import math
 from typing import Dict, List, Optional, Sequence, Set, Tuple
@@ -81,10 +84,17 @@ class OverflowCheck:
         self.process_group = process_group
         self.overflow: Optional[bool] = None          # the scaler's decision, once resolved
         self.loss_nonfinite: Optional[bool] = None
-        self.overflowed: Set[object] = set()          # the optimizers whose own flags were set
+        # The optimizers that skip because of this backward (once resolved on the host), and
+        # those whose own gradients held inf or NaN (the diagnostics name their parameters).
+        self.skipping: Set[object] = set()
+        self.nonfinite: Set[object] = set()
         # A device decision: per optimizer, the 1-element flag its step reads (1: skip).
         self.resolved_on_device = False
         self.skip_flags: Dict[object, torch.Tensor] = {}
+        # Per optimizer, the per-tensor flags the fused step's check computed: [(model
+        # parameters, flags)], kept with a device decision so that OverflowStuckError, read on
+        # the host later, names the parameters of the step it reports (keep_flags).
+        self.evidence: Dict[object, List[Tuple[List[torch.Tensor], torch.Tensor]]] = {}
 
     def found_inf(self, amp_optimizer, device: torch.device) -> torch.Tensor:
         """The zeroed flag the kernels write for ``amp_optimizer``'s gradients on ``device``."""
@@ -102,16 +112,22 @@ class OverflowCheck:
             flag = flags[key] = self.flag_pool.take(device)
         return flag
 
+    def keep_flags(self, amp_optimizer, params: List[torch.Tensor], flags: torch.Tensor) -> None:
+        """Keep the per-tensor non-finite ``flags`` (device bools, no read) of ``params``'
+        gradients, which this backward's check computed for ``amp_optimizer``."""
+        self.evidence.setdefault(amp_optimizer, []).append((params, flags))
+
     def known_clean(self, amp_optimizer) -> bool:
         """True when this check is resolved on the host and found ``amp_optimizer``'s gradients
         finite (no sync: False while unresolved, or decided on the device)."""
-        return self.overflow is not None and not self.skips(amp_optimizer)
+        return self.overflow is not None and not self.loss_nonfinite \
+            and amp_optimizer not in self.nonfinite
 
     def skips(self, amp_optimizer) -> bool:
         """Whether ``amp_optimizer`` must skip its step because of this backward (resolves on
         the host)."""
         self.resolve()
-        return bool(self.loss_nonfinite) or amp_optimizer in self.overflowed
+        return amp_optimizer in self.skipping
 
     def skip_flag(self, amp_optimizer) -> torch.Tensor:
         """The device flag (1-element fp32, 1: skip) of ``amp_optimizer``'s step, for a scaler
@@ -147,9 +163,11 @@ class OverflowCheck:
             flag_values, loss_values = values[:len(flags)], values[len(flags):]
             self.loss_nonfinite = not all(math.isfinite(v) for v in loss_values)
         own, carried = flag_values[:len(keys)], flag_values[len(keys):]
-        self.overflowed = {key[0] for key, value in zip(keys, own) if value != 0.0}
-        self.overflow = bool(self.overflowed) or self.loss_nonfinite
-        self.overflowed |= {key[0] for key, value in zip(carried_keys, carried) if value != 0.0}
+        own_bad = {key[0] for key, value in zip(keys, own) if value != 0.0}
+        carried_bad = {key[0] for key, value in zip(carried_keys, carried) if value != 0.0}
+        self.overflow = bool(own_bad) or self.loss_nonfinite
+        self.nonfinite = own_bad | carried_bad
+        self.skipping = (set(self.optimizers) if self.overflow else set()) | carried_bad
         self.flag_pool.give_back(list(self.found_infs.values()) +
                                  list(self.carried_infs.values()))
         self.found_infs, self.carried_infs = {}, {}
@@ -176,16 +194,20 @@ class OverflowCheck:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
         loss_bad = flags[-1:]
         own = flags[:len(keys)]
+        overflow = torch.cat([own, loss_bad]).amax().reshape(1)
         for amp_opt in self.optimizers:
             # Views and elementwise maxima only (indexing with a host list would copy it to
             # the device, a sync).
-            rows = [flags[i:i + 1] for i, key in enumerate(keys + carried_keys)
+            rows = [flags[i:i + 1] for i, key in enumerate(carried_keys, start=len(keys))
                     if key[0] is amp_opt]
-            self.skip_flags[amp_opt] = functools.reduce(torch.maximum, rows, loss_bad)
-        overflow = torch.cat([own, loss_bad]).amax().reshape(1)
+            self.skip_flags[amp_opt] = functools.reduce(torch.maximum, rows, overflow)
         self.flag_pool.give_back(list(self.found_infs.values()) +
                                  list(self.carried_infs.values()))
         self.found_infs, self.carried_infs = {}, {}
+        log = self.scaler.on_decision
+        if isinstance(log, DecisionLog):   # before the update, which may replay at once
+            log.evidence.append(self.evidence)
+        self.evidence = {}
         self.scaler.update_on_device(overflow, loss_bad)
 
     @property
@@ -203,15 +225,19 @@ class DecisionLog:
     def __init__(self, run, skip_log: diagnostics.SkipLog):
         self.run = run
         self.skip_log = skip_log
+        # The checks' per-tensor flags of the device decisions not yet replayed, in order.
+        self.evidence: collections.deque = collections.deque()
 
     def __call__(self, old_scale: float, overflow: bool, loss_nonfinite: bool,
                  optimizers: Optional[Sequence] = None) -> None:
+        # A replayed device decision (no optimizers given) takes the flags kept with it.
+        evidence = self.evidence.popleft() if optimizers is None and self.evidence else None
         scaler = self.skip_log.scaler
         message = skip_message(scaler, old_scale, loss_nonfinite) if overflow else ""
         if self.skip_log.record(old_scale, overflow, loss_nonfinite, message):
             raise diagnostics.stuck_error(
                 self.run, self.run.optimizers if optimizers is None else optimizers,
-                self.skip_log, loss_nonfinite)
+                self.skip_log, loss_nonfinite, evidence)
 
 
 def skip_message(scaler: LossScaler, old_scale: float, loss_nonfinite: bool) -> str:

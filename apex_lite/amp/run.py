@@ -100,7 +100,8 @@ class _Run:
                 continue   # FSDP2 keeps the unit unsharded between its forward and backward
             label = self.model_label(i)
             if self.sharding is None and fsdp.newly_sharded(self.models[i]):
-                raise fsdp.sharded_after_initialize(caller, label)
+                raise fsdp.sharded_after_initialize(caller, label,
+                                                    self.properties.half_dtype)
             what = (f"its parameters are now on {now.device}, but were on {device} when "
                     f"amp.initialize ran" if now is first else
                     f"its parameters are not the tensors amp.initialize set up (now on "

@@ -67,9 +67,9 @@ def choose(optimizer: torch.optim.Optimizer, index: int, properties,
 
 def _without_native_kernels(optimizer: torch.optim.Optimizer) -> str:
     """Why the default (fused_step=None) stays unfused for lack of native kernels, or "". The
-    Python backend's fused ops are the kernels' reference: exact, but many passes (and host reads
-    of found_inf, a sync on CUDA), slower than the optimizer's own step; fused_step=True still
-    takes them, for the memory."""
+    Python backend's fused ops are the kernels' reference: exact, but many passes (no host
+    read, but temporaries for every new value), slower than the optimizer's own step;
+    fused_step=True still takes them, for the memory."""
     devices = {p.device for group in optimizer.param_groups for p in group["params"]}
     for device in sorted(devices, key=str):
         name, reason = backend(device)
@@ -175,12 +175,15 @@ class FusedStep:
             return
         for device, group in groups.items():
             found_inf = check.found_inf(amp_opt, device)
-            halves = present_grads(group.half_models)
-            if halves:
-                flag_nonfinite(halves, found_inf)
-            own = present_grads(group.own_masters)
-            if own:
-                fused_scale(own, own, scale.inv, found_inf)
+            # Each list's per-tensor flags are kept, so that the diagnostics name the parameter
+            # on this path as on the unfused one.
+            for params in (group.half_models, group.own_masters):
+                with_grads = [p for p in params if p.grad is not None]
+                if with_grads:
+                    grads = [p.grad for p in with_grads]
+                    check.keep_flags(amp_opt, with_grads, flag_nonfinite(grads, found_inf))
+                    if params is group.own_masters:
+                        fused_scale(grads, grads, scale.inv, found_inf)
         amp_opt.grad_state = CHECKED
         amp_opt.pending = scale
 

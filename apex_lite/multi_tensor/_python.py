@@ -13,7 +13,6 @@ floating tensors of fp32/fp16/bf16, matching shapes, ``found_inf`` a 1-element f
 """
 from __future__ import annotations
 
-import math
 from typing import List, Sequence, Tuple, Union
 
 import torch
@@ -100,14 +99,13 @@ def l2norm(tensors: Tensors, per_tensor: bool) -> Tuple[torch.Tensor, torch.Tens
 
 def nonfinite_flags(tensors: Tensors) -> torch.Tensor:
     # The max-abs of a tensor is inf or NaN exactly when one of its elements is; it has no value
-    # for an empty tensor, which is finite by definition.
-    flags = torch.zeros(len(tensors), dtype=torch.bool, device=tensors[0].device)
-    filled = [i for i, t in enumerate(tensors) if t.numel() > 0]
-    if filled:
-        norms = torch._foreach_norm([tensors[i] for i in filled], float("inf"))
-        index = torch.tensor(filled, device=flags.device)
-        flags[index] = ~torch.isfinite(torch.stack([n.float() for n in norms]))
-    return flags
+    # for an empty tensor, which is finite by definition (a shared finite 0 stands in for it: no
+    # index list is copied to the device).
+    filled = [t for t in tensors if t.numel() > 0]
+    norms = iter(torch._foreach_norm(filled, float("inf")) if filled else ())
+    zero = torch.zeros((), dtype=torch.float32, device=tensors[0].device)
+    maxima = [next(norms).float() if t.numel() > 0 else zero for t in tensors]
+    return ~torch.isfinite(torch.stack(maxima))
 
 
 # ---- the fused optimizer steps (apex_lite.optimizers) ----------------------------------------
@@ -144,14 +142,27 @@ def nonfinite_flags(tensors: Tensors) -> torch.Tensor:
 # Then params[i] = round(p), model_params[i] = round(p) (round: to each tensor's dtype, to
 # nearest even) and steps[i] += 1. When found_inf is not 0 nothing is written.
 #
-# This backend reads found_inf and the step counts on the host (free on the CPU, a sync on CUDA,
-# where the native kernels read them on the device). Of the native kernels' argument checks it
-# makes one, before it reads found_inf, as they do: each parameter has a step count of its own
-# (_checks.check_own_step_counts).
+# This backend reads nothing on the host (on CUDA a read is a device sync): found_inf and the
+# step counts stay on the device. Every new value is computed into a temporary, and ``_commit``
+# writes them all at the end where found_inf is 0 (a skipped step computes and drops its
+# values). Of the native kernels' argument checks it makes one, as they do: each
+# parameter has a step count of its own (_checks.check_own_step_counts).
+
+Writes = List[Tuple[Tensors, Sequence[torch.Tensor]]]
 
 
-def _skips(found_inf: torch.Tensor) -> bool:
-    return float(found_inf) != 0.0
+def _commit(writes: Writes, found_inf: torch.Tensor) -> None:
+    """``targets[i] = round(values[i])`` for each ``(targets, values)`` of ``writes`` where
+    ``found_inf`` is 0, all unchanged otherwise; no host read. Lists of unequal lengths raise
+    before anything is written."""
+    for targets, values in writes:
+        if len(targets) != len(values):
+            raise ValueError(f"a fused step got lists of {len(targets)} and {len(values)} "
+                             f"tensors where their lengths must be equal")
+    keep = found_inf.reshape(()) == 0
+    for targets, values in writes:
+        for target, value in zip(targets, values):
+            target.copy_(torch.where(keep, value, target))
 
 
 def _true_grads(grads: Tensors, inv_scale: torch.Tensor) -> List[torch.Tensor]:
@@ -162,17 +173,19 @@ def _true_grads(grads: Tensors, inv_scale: torch.Tensor) -> List[torch.Tensor]:
 
 
 def _fp32_params(params: Tensors) -> List[torch.Tensor]:
-    """The fp32 parameters themselves, or fp32 copies of half ones (written back by _finish)."""
+    """The fp32 parameters themselves, or fp32 copies of half ones (read only: the update is
+    computed into new tensors, written by _finish)."""
     return [p if p.dtype == torch.float32 else p.float() for p in params]
 
 
-def _finish(params: Tensors, p32: List[torch.Tensor], model_params: Tensors) -> None:
-    """Round the updated fp32 values once into half parameters and into the model's."""
-    half = [i for i, p in enumerate(params) if p.dtype != torch.float32]
-    if half:
-        torch._foreach_copy_([params[i] for i in half], [p32[i] for i in half])
+def _finish(params: Tensors, p32: List[torch.Tensor], model_params: Tensors, writes: Writes,
+            found_inf: torch.Tensor) -> None:
+    """Round the updated fp32 values once into the parameters and into the model's, and make
+    the other ``writes``, unless ``found_inf`` is set."""
+    writes.append((params, p32))
     if model_params:
-        torch._foreach_copy_(list(model_params), p32)
+        writes.append((model_params, p32))
+    _commit(writes, found_inf)
 
 
 def _plus_scaled(xs: List[torch.Tensor], c: float, ys: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -202,58 +215,60 @@ def fused_sgd_(params: Tensors, grads: Tensors, momentum_buffers: Tensors, model
                inv_scale: torch.Tensor, found_inf: torch.Tensor, lr: float, momentum: float,
                dampening: float, weight_decay: float, nesterov: bool, wd_after_momentum: bool,
                first_run: bool) -> None:
-    if not params or _skips(found_inf):
+    if not params:
         return
+    writes: Writes = []
     g = _true_grads(grads, inv_scale)
     p = _fp32_params(params)
     if weight_decay != 0.0 and not wd_after_momentum:
         g = _plus_scaled(g, weight_decay, p)
     if momentum != 0.0:
-        bufs = list(momentum_buffers)
         if first_run:
-            torch._foreach_copy_(bufs, g)
+            bufs = g
         else:
-            torch._foreach_mul_(bufs, momentum)
+            bufs = torch._foreach_mul(list(momentum_buffers), momentum)
             torch._foreach_add_(bufs, torch._foreach_mul(g, 1.0 - dampening))
+        writes.append((momentum_buffers, bufs))
         g = _plus_scaled(g, momentum, bufs) if nesterov else bufs
     if weight_decay != 0.0 and wd_after_momentum:
         g = _plus_scaled(g, weight_decay, p)
-    torch._foreach_sub_(p, torch._foreach_mul(g, lr))
-    _finish(params, p, model_params)
-
-
-def _reciprocal(x: float) -> float:
-    """1 / x in double with C++'s IEEE result at 0 (an infinity), where Python raises."""
-    return 1.0 / x if x != 0.0 else math.copysign(math.inf, x)
+    _finish(params, torch._foreach_sub(p, torch._foreach_mul(g, lr)), model_params, writes,
+            found_inf)
 
 
 def _bias_corrections(steps: Tensors, beta1: float, beta2: float, bias_correction: bool
-                      ) -> Tuple[List[float], List[float]]:
-    """(r1, r2) per tensor for the step each is about to take: 1 / (1 - beta1**count) and
-    1 / sqrt(1 - beta2**count) computed in double as the native kernels do (a negative
-    1 - beta2**count gives NaN there, as in C++); the foreach ops that take them round them to
-    fp32."""
+                      ) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+    """(r1, r2) per tensor for the step each is about to take, as 0-dim fp32 tensors on the
+    steps' device (no host read): 1 / (1 - beta1**count) and 1 / sqrt(1 - beta2**count)
+    computed in double as the native kernels do (a negative 1 - beta2**count gives NaN there, as
+    in C++, and 1 / 0 an infinity), then rounded once to fp32."""
     if not bias_correction:
-        return [1.0] * len(steps), [1.0] * len(steps)
-    counts = [float(s) + 1.0 for s in steps]
-    bc2s = [1.0 - beta2 ** c for c in counts]
-    return ([_reciprocal(1.0 - beta1 ** c) for c in counts],
-            [_reciprocal(math.sqrt(bc2) if bc2 >= 0.0 else math.nan) for bc2 in bc2s])
+        one = torch.ones((), dtype=torch.float32, device=steps[0].device)
+        return [one] * len(steps), [one] * len(steps)
+    counts = torch.stack([s.reshape(()) for s in steps]).to(torch.float64) + 1.0
+    # A strided view: the CPU kernel then takes its element-wise path, C's pow (the native
+    # kernels' std::pow, correctly rounded), where a contiguous one takes SLEEF's vector pow,
+    # up to an ulp off in double.
+    counts = torch.stack([counts, counts], dim=1)[:, 0]
+    r1 = torch.reciprocal(1.0 - torch.pow(beta1, counts)).to(torch.float32)
+    r2 = torch.reciprocal(torch.sqrt(1.0 - torch.pow(beta2, counts))).to(torch.float32)
+    return list(r1.unbind()), list(r2.unbind())
 
 
 def _adam_updates(g: List[torch.Tensor], p: List[torch.Tensor], exp_avgs: Tensors,
                   exp_avg_sqs: Tensors, steps: Tensors, beta1: float, beta2: float, beta3: float,
-                  eps: float, weight_decay: float, adam_w_mode: bool, bias_correction: bool
-                  ) -> List[torch.Tensor]:
-    """Update the moments in place; return the Adam directions (new fp32 tensors)."""
+                  eps: float, weight_decay: float, adam_w_mode: bool, bias_correction: bool,
+                  writes: Writes) -> List[torch.Tensor]:
+    """The Adam directions (new fp32 tensors); the new moments and step counts go to
+    ``writes``."""
     if weight_decay != 0.0 and not adam_w_mode:
         g = _plus_scaled(g, weight_decay, p)
-    m, v = list(exp_avgs), list(exp_avg_sqs)
-    torch._foreach_mul_(m, beta1)
+    m = torch._foreach_mul(list(exp_avgs), beta1)
     torch._foreach_add_(m, torch._foreach_mul(g, beta3))
-    torch._foreach_mul_(v, beta2)
+    v = torch._foreach_mul(list(exp_avg_sqs), beta2)
     torch._foreach_add_(v, torch._foreach_mul(torch._foreach_mul(g, 1.0 - beta2), g))
     r1, r2 = _bias_corrections(steps, beta1, beta2, bias_correction)
+    writes.extend([(exp_avgs, m), (exp_avg_sqs, v), (steps, torch._foreach_add(list(steps), 1.0))])
     denom = _sqrt_fp32(v)
     torch._foreach_mul_(denom, r2)
     torch._foreach_add_(denom, eps)
@@ -269,14 +284,15 @@ def fused_adam_(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs:
                 found_inf: torch.Tensor, lr: float, beta1: float, beta2: float, eps: float,
                 weight_decay: float, adam_w_mode: bool, bias_correction: bool) -> None:
     _checks.check_own_step_counts("fused_adam_", steps)
-    if not params or _skips(found_inf):
+    if not params:
         return
+    writes: Writes = []
     p = _fp32_params(params)
     update = _adam_updates(_true_grads(grads, inv_scale), p, exp_avgs, exp_avg_sqs, steps, beta1,
-                           beta2, 1.0 - beta1, eps, weight_decay, adam_w_mode, bias_correction)
-    torch._foreach_sub_(p, torch._foreach_mul(update, lr))
-    torch._foreach_add_(list(steps), 1.0)
-    _finish(params, p, model_params)
+                           beta2, 1.0 - beta1, eps, weight_decay, adam_w_mode, bias_correction,
+                           writes)
+    _finish(params, torch._foreach_sub(p, torch._foreach_mul(update, lr)), model_params, writes,
+            found_inf)
 
 
 def hold_lists(params: Tensors, grad_sources: Tensors, model_params: Tensors,
@@ -304,7 +320,7 @@ def fused_lamb_mp_(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_s
     taken = step.reshape(1).to(torch.float32) - 1.0
     steps = list(taken.expand(len(params)).clone().unbind(0))
     fused_lamb_(params, grads, exp_avgs, exp_avg_sqs, model_params, steps, inv_scale, found_inf,
-                grad_norm, float(lr), beta1, beta2, eps, weight_decay, adam_w_mode,
+                grad_norm, lr, beta1, beta2, eps, weight_decay, adam_w_mode,
                 bias_correction, grad_averaging, max_grad_norm, use_nvlamb)
 
 # ---- end fused_lamb_mp_ ----
@@ -312,13 +328,18 @@ def fused_lamb_mp_(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_s
 
 def fused_lamb_(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors,
                 model_params: Tensors, steps: Tensors, inv_scale: torch.Tensor,
-                found_inf: torch.Tensor, grad_norm: torch.Tensor, lr: float, beta1: float,
-                beta2: float, eps: float, weight_decay: float, adam_w_mode: bool,
-                bias_correction: bool, grad_averaging: bool, max_grad_norm: float,
-                use_nvlamb: bool) -> None:
+                found_inf: torch.Tensor, grad_norm: torch.Tensor,
+                lr: Union[float, torch.Tensor], beta1: float, beta2: float, eps: float,
+                weight_decay: float, adam_w_mode: bool, bias_correction: bool,
+                grad_averaging: bool, max_grad_norm: float, use_nvlamb: bool) -> None:
     _checks.check_own_step_counts("fused_lamb_", steps)
-    if not params or _skips(found_inf):
+    if not params:
         return
+    # lr rounded once to fp32, on the device (fused_lamb_mp_'s is a tensor: no host read).
+    lr32 = lr.reshape(()).to(device=found_inf.device, dtype=torch.float32) \
+        if isinstance(lr, torch.Tensor) else \
+        torch.full((), lr, dtype=torch.float32, device=found_inf.device)
+    writes: Writes = []
     g = _true_grads(grads, inv_scale)
     if max_grad_norm > 0.0:
         norm = grad_norm.reshape(1).to(torch.float32)
@@ -328,20 +349,17 @@ def fused_lamb_(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs:
     p = _fp32_params(params)
     beta3 = 1.0 - beta1 if grad_averaging else 1.0
     update = _adam_updates(g, p, exp_avgs, exp_avg_sqs, steps, beta1, beta2, beta3, eps,
-                           weight_decay, adam_w_mode, bias_correction)
+                           weight_decay, adam_w_mode, bias_correction, writes)
     if use_nvlamb or weight_decay != 0.0:
         p_norms = torch._foreach_norm(p, 2)
         u_norms = torch._foreach_norm(update, 2)
-        lr32 = torch.tensor(lr, dtype=torch.float32, device=found_inf.device)
         for u, pn, un in zip(update, p_norms, u_norms):
             trusted = (pn != 0) & (un != 0)
             ratio = torch.where(trusted, lr32 * (pn / torch.where(trusted, un, 1.0)), lr32)
             u.mul_(ratio)
     else:
-        torch._foreach_mul_(update, lr)
-    torch._foreach_sub_(p, update)
-    torch._foreach_add_(list(steps), 1.0)
-    _finish(params, p, model_params)
+        torch._foreach_mul_(update, lr32)
+    _finish(params, torch._foreach_sub(p, update), model_params, writes, found_inf)
 
 
 # ---- NovoGrad and Adagrad (csrc/cpu/fused_{novograd,adagrad}.cpp spell out the contract) -----
@@ -357,37 +375,8 @@ def fused_lamb_(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs:
 #   update = g / (sqrt(h) + eps) (+ weight_decay * p in adagrad_w_mode); p = p - lr * update.
 #
 # Neither reads anything on the host (found_inf, the step counts and the norms stay on the
-# device): every new value is computed into a temporary, and _write_unless_skipped writes them
+# device): every new value is computed into a temporary, and _commit writes them
 # all at the end where found_inf is 0.
-
-_Writes = List[Tuple[Tensors, Sequence[torch.Tensor]]]
-
-
-def _write_unless_skipped(writes: _Writes, found_inf: torch.Tensor) -> None:
-    """``targets[i] = round(values[i])`` for each ``(targets, values)`` where ``found_inf`` is 0,
-    all unchanged otherwise (no host read)."""
-    keep = found_inf.reshape(()) == 0
-    for targets, values in writes:
-        for target, value in zip(targets, values):
-            target.copy_(torch.where(keep, value, target))
-
-
-def _counts(steps: Tensors) -> torch.Tensor:
-    """The step counts as one fp32 tensor on their device."""
-    return torch.stack([s.reshape(()) for s in steps]).to(torch.float32)
-
-
-def _bias_correction_tensors(counts: torch.Tensor, beta1: float, beta2: float
-                             ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """fp32 r1 = 1 / (1 - beta1**c) and r2 = 1 / sqrt(1 - beta2**c) for c = counts + 1, each in
-    double then rounded once. Through a strided view the CPU kernel takes C's pow (as the native
-    kernels' std::pow), where a contiguous tensor takes a vector pow up to an ulp off in double."""
-    c = counts.to(torch.float64) + 1.0
-    c = torch.stack([c, c], dim=1)[:, 0]
-    r1 = torch.reciprocal(1.0 - torch.pow(beta1, c)).to(torch.float32)
-    r2 = torch.reciprocal(torch.sqrt(1.0 - torch.pow(beta2, c))).to(torch.float32)
-    return r1, r2
-
 
 def _grad_norms(g: List[torch.Tensor], norm_type: int) -> torch.Tensor:
     """fp32 per-tensor norms on the tensors' device (0 for an empty tensor, which has no inf
@@ -420,11 +409,11 @@ def fused_novograd_(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_
         blended = (b2 * (v * v) + c2 * (n * n)).to(torch.float64).sqrt().to(torch.float32)
     else:
         blended = b2 * v + c2 * n
-    counts = _counts(steps)
+    counts = torch.stack([t.reshape(()) for t in steps]).to(torch.float32)
     first = torch.zeros_like(counts, dtype=torch.bool) if init_zero else counts == 0
     v = torch.where(first, n, blended)
     if bias_correction:
-        r1, r2 = _bias_correction_tensors(counts, beta1, beta2)
+        r1, r2 = (torch.stack(r) for r in _bias_corrections(steps, beta1, beta2, True))
         denoms = v * r2 + eps32
     else:
         r1 = torch.ones_like(v)
@@ -443,11 +432,11 @@ def fused_novograd_(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_
         if weight_decay != 0.0:
             update = _plus_scaled(update, weight_decay, p)
     p = torch._foreach_sub(p, torch._foreach_mul(update, lr))
-    writes: _Writes = [(exp_avgs, m), (exp_avg_sqs, list(v.unbind())),
+    writes: Writes = [(exp_avgs, m), (exp_avg_sqs, list(v.unbind())),
                        (steps, torch._foreach_add(list(steps), 1.0)), (params, p)]
     if model_params:
         writes.append((model_params, p))
-    _write_unless_skipped(writes, found_inf)
+    _commit(writes, found_inf)
 
 
 def fused_adagrad_(params: Tensors, grads: Tensors, sums: Tensors, model_params: Tensors,
@@ -466,10 +455,10 @@ def fused_adagrad_(params: Tensors, grads: Tensors, sums: Tensors, model_params:
     if weight_decay != 0.0 and adagrad_w_mode:
         update = _plus_scaled(update, weight_decay, p)
     p = torch._foreach_sub(p, torch._foreach_mul(update, lr))
-    writes: _Writes = [(sums, h), (steps, torch._foreach_add(list(steps), 1.0)), (params, p)]
+    writes: Writes = [(sums, h), (steps, torch._foreach_add(list(steps), 1.0)), (params, p)]
     if model_params:
         writes.append((model_params, p))
-    _write_unless_skipped(writes, found_inf)
+    _commit(writes, found_inf)
 
 
 class GradWatch:

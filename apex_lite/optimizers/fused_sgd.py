@@ -119,13 +119,18 @@ class SGDUpdate(FusedUpdate):
 
     def _first_steps(self, params: List[torch.Tensor], created: List[int]) -> List[int]:
         """Indices of the parameters whose buffer takes its first update now: those created by
-        this build, and those whose earlier first step turns out skipped (host reads of the
-        kept flags, one step late)."""
+        this build, and those whose earlier first step turns out skipped (a host read of each
+        kept flag, one step late: once per step that made first updates, not per parameter)."""
         first = set(created)
+        skipped: Dict[int, bool] = {}
         if self._first_step_flags:
             for i, p in enumerate(params):
                 flag = self._first_step_flags.pop(id(p), None)
-                if flag is not None and float(flag) != 0.0:
+                if flag is None:
+                    continue
+                if id(flag) not in skipped:
+                    skipped[id(flag)] = float(flag) != 0.0
+                if skipped[id(flag)]:
                     first.add(i)
         return sorted(first)
 

@@ -2,7 +2,10 @@
 
 Trains a DDP-wrapped O2 model for a few steps on gloo. At the step named by --inject-step, rank
 --inject-rank alone writes inf into one of its gradients after DDP's all-reduce, so only its
-overflow check sees it. Saves the parameters, the loss scale and the skip history to --out.
+overflow check sees it. With --two-optimizers, the first and the last layer have an optimizer
+each, both given to the one scale_loss (the inf goes into the first layer's gradient: apex's rule
+skips both, on every rank). Saves the parameters, the loss scale and the skip history (per
+optimizer, whether its masters changed) to --out.
 """
 import argparse
 import gc
@@ -24,6 +27,8 @@ def main():
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--inject-step", type=int, default=2)
     parser.add_argument("--inject-rank", type=int, default=1)
+    parser.add_argument("--two-optimizers", action="store_true")
+    parser.add_argument("--fused-step", choices=["default", "true", "false"], default="default")
     parser.add_argument("--own-group", action="store_true",
                         help="pass initialize(process_group=) a group of this rank alone")
     args = parser.parse_args()
@@ -35,28 +40,42 @@ def main():
         else None
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0,
-                                      process_group=groups[rank] if groups else None)
+    if args.two_optimizers:
+        optimizers = [torch.optim.SGD(model[0].parameters(), lr=0.1, momentum=0.9),
+                      torch.optim.SGD(model[2].parameters(), lr=0.1, momentum=0.9)]
+    else:
+        optimizers = [torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)]
+    fused_step = {"default": None, "true": True, "false": False}[args.fused_step]
+    model, optimizers = amp.initialize(model, optimizers, opt_level="O2", verbosity=0,
+                                       fused_step=fused_step,
+                                       process_group=groups[rank] if groups else None)
     model = DDP(model)
 
     data = torch.Generator().manual_seed(100 + rank)
-    skipped, scales = [], []
+    skipped, scales, stepped = [], [], []
     for step in range(args.steps):
         x = torch.randn(8, 16, generator=data)
         loss = model(x).float().pow(2).mean()
-        optimizer.zero_grad()
-        with amp.scale_loss(loss, optimizer) as scaled_loss:
+        for opt in optimizers:
+            opt.zero_grad()
+        before = [[p.detach().clone() for p in opt._apex_lite_amp.masters()]
+                  for opt in optimizers]
+        with amp.scale_loss(loss, optimizers) as scaled_loss:
             scaled_loss.backward()
             if step == args.inject_step and rank == args.inject_rank:
                 next(model.parameters()).grad.view(-1)[3] = float("inf")
-        optimizer.step()
+        for opt in optimizers:
+            opt.step()
+        stepped.append([any(not torch.equal(b, p) for b, p in
+                            zip(bs, opt._apex_lite_amp.masters()))
+                        for bs, opt in zip(before, optimizers)])
         scaler = amp.loss_scalers()[0]
         skipped.append(scaler.last_step_skipped)
         scales.append(scaler.loss_scale)
-    torch.save({"rank": rank, "skipped": skipped, "scales": scales,
+    torch.save({"rank": rank, "skipped": skipped, "scales": scales, "stepped": stepped,
                 "params": [p.detach().clone() for p in model.parameters()],
-                "masters": [p.detach().clone() for p in amp.master_params(optimizer)]},
+                "masters": [p.detach().clone() for opt in optimizers
+                            for p in amp.master_params(opt)]},
                os.path.join(args.out, f"rank{rank}.pt"))
     dist.barrier()   # no rank tears the gloo group down while a peer still uses it
     # DDP first, then the group: that joins gloo's threads here, with the GIL released (the other
@@ -65,7 +84,7 @@ def main():
     # exception"); the check below fails loudly instead if that would be possible.
     # The amp run holds an explicit group (and the optimizer, the loss scaler and the loss the
     # run): let them all go too.
-    del model, optimizer, groups, scaler, loss, scaled_loss
+    del model, optimizers, opt, groups, scaler, loss, scaled_loss
     amp.initialize([], enabled=False)
     gc.collect()
     dist.destroy_process_group()
