@@ -419,6 +419,38 @@ def multi_tensor_lamb_mp(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, 
     op = "multi_tensor_lamb_mp"
     names = ["grads", "params", "exp_avgs", "exp_avg_sqs", "model_params"]
     lists = _lists(op, tensor_lists, [", ".join(names[:4]), ", ".join(names)])
+    _check_aligned(op, names, lists)
+    if mode not in (0, 1):
+        raise ValueError(f"amp_C.{op}: mode={mode!r}; apex's modes are 0 (L2 regularisation) "
+                         f"and 1 (decoupled weight decay)")
+    grads, params, exp_avgs, exp_avg_sqs = lists[:4]
+    model_params = lists[4] if len(lists) == 5 else []
+    if not params:
+        return
+    device = params[0].device
+    if not isinstance(step, torch.Tensor) and _number(op, "step", step, int) < 1:
+        raise ValueError(f"amp_C.{op}: step={step}; apex passes the number of the step being "
+                         f"taken, 1 for the first")
+    skip = torch.maximum(_found_inf(op, noop_flag, device),
+                         _scalar_tensor(op, "found_inf", found_inf, device))
+    # The clip divisor from the ratio of the two scaled norms: the op clips when its grad_norm
+    # exceeds max_grad_norm (here 1) and divides by grad_norm / 1.
+    ratio = (_scalar_tensor(op, "global_grad_norm", global_grad_norm, device)
+             / _scalar_tensor(op, "max_grad_norm", max_grad_norm, device))
+    m, v = _fp32_state(exp_avgs), _fp32_state(exp_avg_sqs)
+    with torch.no_grad():    # apex's kernels write parameters outside autograd
+        ops_for(device).fused_lamb_mp_(
+            params, grads, m, v, model_params, _scalar_tensor(op, "step", step, device),
+            _scalar_tensor(op, "lr", lr, device),
+            _scalar_tensor(op, "inv_scale", inv_scale, device), skip, ratio, float(beta1),
+            float(beta2), float(epsilon), float(weight_decay), mode == 1, bool(bias_correction),
+            bool(grad_averaging), 1.0, bool(use_nvlamb))
+        _write_back(exp_avgs, m)
+        _write_back(exp_avg_sqs, v)
+
+# ---- end issue 27 ----
+
+
 # ---- NovoGrad and Adagrad ---------------------------------------------------------------------
 
 def multi_tensor_novograd(chunk_size, noop_flag, tensor_lists, grad_norms, lr, beta1, beta2,
@@ -480,32 +512,6 @@ def multi_tensor_adagrad(chunk_size, noop_flag, tensor_lists, lr, epsilon, mode,
     if mode not in (0, 1):
         raise ValueError(f"amp_C.{op}: mode={mode!r}; apex's modes are 0 (L2 regularisation) "
                          f"and 1 (decoupled weight decay)")
-    grads, params, exp_avgs, exp_avg_sqs = lists[:4]
-    model_params = lists[4] if len(lists) == 5 else []
-    if not params:
-        return
-    device = params[0].device
-    if not isinstance(step, torch.Tensor) and _number(op, "step", step, int) < 1:
-        raise ValueError(f"amp_C.{op}: step={step}; apex passes the number of the step being "
-                         f"taken, 1 for the first")
-    skip = torch.maximum(_found_inf(op, noop_flag, device),
-                         _scalar_tensor(op, "found_inf", found_inf, device))
-    # The clip divisor from the ratio of the two scaled norms: the op clips when its grad_norm
-    # exceeds max_grad_norm (here 1) and divides by grad_norm / 1.
-    ratio = (_scalar_tensor(op, "global_grad_norm", global_grad_norm, device)
-             / _scalar_tensor(op, "max_grad_norm", max_grad_norm, device))
-    m, v = _fp32_state(exp_avgs), _fp32_state(exp_avg_sqs)
-    with torch.no_grad():    # apex's kernels write parameters outside autograd
-        ops_for(device).fused_lamb_mp_(
-            params, grads, m, v, model_params, _scalar_tensor(op, "step", step, device),
-            _scalar_tensor(op, "lr", lr, device),
-            _scalar_tensor(op, "inv_scale", inv_scale, device), skip, ratio, float(beta1),
-            float(beta2), float(epsilon), float(weight_decay), mode == 1, bool(bias_correction),
-            bool(grad_averaging), 1.0, bool(use_nvlamb))
-        _write_back(exp_avgs, m)
-        _write_back(exp_avg_sqs, v)
-
-# ---- end issue 27 ----
     grads, params, sums = lists
     if not params:
         return
