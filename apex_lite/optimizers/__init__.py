@@ -1,5 +1,5 @@
 """apex's fused optimizers: ``FusedSGD``, ``FusedAdam``, ``FusedLAMB``, ``FusedNovoGrad``,
-``FusedAdagrad``.
+``FusedAdagrad`` and ``FusedMixedPrecisionLamb``.
 
 Ordinary torch optimizers (torch's state layout, LR schedulers, param groups) whose step is one
 multi-tensor op per param group and device, state in fp32 for every parameter dtype. The
