@@ -149,19 +149,20 @@ def test_state_replaced_by_user_code_is_stepped_on_the_fused_step(name):
 
 
 @pytest.mark.parametrize("name", ["AdamW", "FusedAdam", "SGD-momentum", "SGD-dampening"])
-def test_lists_held_in_cpp_step_as_the_list_path(name, monkeypatch):
-    """On the native backend the Adam and SGD updates hand their lists to C++ once (from the
-    second step) and step through them without passing a list; the training, a skipped step
-    included, is the list path's bit for bit."""
+def test_held_lists_step_as_the_list_path(name, monkeypatch):
+    """The Adam and SGD updates hand their lists over once (from the second step) and step
+    through them without passing a list: to C++ on the native backend, to torch's fused kernels'
+    route with its chunk layout built once without native kernels (multi_tensor/_torch_fused.py).
+    The training, a skipped step included, is the list path's bit for bit."""
+    from apex_lite.multi_tensor import _torch_fused
     from apex_lite.optimizers import AdamUpdate, SGDUpdate
     model, opt = _train(OPTIMIZERS[name], True, steps=8, inject_at={3})
     buckets = opt._apex_lite_amp.path.buckets()
     held = [b.update._plan.held for b in buckets]
     if backend("cpu")[0] != "native":
-        # The Python backend holds no lists: the list path is its only path, nothing to compare.
-        assert all(h is False for h in held), held
-        return
-    assert all(h is not None and h is not False for h in held), held
+        assert all(isinstance(h, _torch_fused._HeldLists) for h in held), held
+    else:
+        assert all(h is not None and h is not False for h in held), held
     held_run = snapshot(model, opt), copy.deepcopy(opt.state_dict())
     _fresh_handle()
     for update_class in (AdamUpdate, SGDUpdate):
@@ -317,8 +318,8 @@ def test_the_unfused_step_of_another_optimizer_keeps_decisions_on_the_host():
         return [m.detach().clone() for o in opts for m in o._apex_lite_amp.masters()], opts
     fused, opts = run(None)
     assert not amp.default_handle()._run.decides_on_device
-    native = backend("cpu")[0] == "native"   # the default takes the fused step with kernels
-    assert [o._apex_lite_amp.path.fused for o in opts] == [native, False]
+    # The default takes the fused step for Adam: the native kernels, or torch's fused ones.
+    assert [o._apex_lite_amp.path.fused for o in opts] == [True, False]
     assert "RMSprop is not an optimizer the fused ops compute" in \
         opts[1]._apex_lite_amp.path.why
     _fresh_handle()
@@ -515,18 +516,39 @@ def test_fused_step_true_names_an_optimizer_it_cannot_run():
     assert "unfused step (torch.optim.rmsprop.RMSprop is not an optimizer the fused ops" in str(amp.report())
 
 
-def test_the_default_takes_the_fused_step_where_native_kernels_serve_the_device():
-    """fused_step=None: the fused step with the native kernels; with the Python backend (whose
-    fused ops are the kernels' exact but slower reference) the unfused step, saying why."""
-    model = torch.nn.Linear(4, 2)
-    opt = torch.optim.Adam(model.parameters(), lr=0.1)
-    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+def test_the_default_takes_the_fused_step_where_kernels_serve_the_device():
+    """fused_step=None: the fused step with the native kernels; without them, with torch's own
+    fused kernels for SGD, Adam and AdamW (what they compute), and the unfused step for the
+    rest (the Python backend's fused ops are the kernels' exact but slower reference), saying
+    why."""
     name, reason = backend("cpu")
-    assert opt._apex_lite_amp.path.fused == (name == "native")
-    if name != "native":
-        assert opt._apex_lite_amp.path.why.startswith(
-            f"the native kernels do not serve cpu ({reason}), and the Python reference of the "
-            f"fused step is slower")
+    cases = [(torch.optim.Adam, {}, ""), (torch.optim.AdamW, {}, ""),
+             (torch.optim.SGD, dict(momentum=0.9, nesterov=True), ""),
+             (FusedAdam, {}, ""), (FusedSGD, dict(momentum=0.9, weight_decay=0.1), ""),
+             (FusedLAMB, {}, "torch has no fused kernel for apex_lite.optimizers.fused_lamb"
+                             ".FusedLAMB's update"),
+             (FusedAdam, dict(bias_correction=False), "param group 0 has bias_correction=False"),
+             (FusedSGD, dict(weight_decay=0.1, wd_after_momentum=True),
+              "param group 0 has wd_after_momentum=True")]
+    for make, options, why in cases:
+        _fresh_handle()
+        model = torch.nn.Linear(4, 2)
+        opt = make(model.parameters(), lr=0.1, **options)
+        model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+        path = opt._apex_lite_amp.path
+        fused = name == "native" or not why
+        assert path.fused == fused, (make, options)
+        report = str(amp.report())
+        if name == "native":
+            assert f"optimizer 0 ({make.__name__}): fused step\n" in report + "\n"
+        elif fused:
+            assert (f"optimizer 0 ({make.__name__}): fused step (torch's fused kernels, half "
+                    f"gradients converted to fp32 4 MiB at a time on cpu)") in report
+        else:
+            assert path.why.startswith(f"the native kernels do not serve cpu ({reason}), {why}")
+            assert path.why.endswith("and the Python reference of the fused step is slower "
+                                     "than the optimizer's own; fused_step=True takes it anyway "
+                                     "(no fp32 master gradients)")
 
 
 @pytest.mark.parametrize("options", [dict(amsgrad=True), dict(maximize=True)])

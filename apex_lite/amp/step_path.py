@@ -34,6 +34,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from ..multi_tensor import _torch_fused
 from ..multi_tensor._backend import backend
 from ..optimizers import fusable
 from ..optimizers.fused_lamb import LambUpdate, global_grad_norm
@@ -66,18 +67,40 @@ def choose(optimizer: torch.optim.Optimizer, index: int, properties,
 
 
 def _without_native_kernels(optimizer: torch.optim.Optimizer) -> str:
-    """Why the default (fused_step=None) stays unfused for lack of native kernels, or "". The
-    Python backend's fused ops are the kernels' reference: exact, but many passes (no host
-    read, but temporaries for every new value), slower than the optimizer's own step;
-    fused_step=True still takes them, for the memory."""
-    devices = {p.device for group in optimizer.param_groups for p in group["params"]}
-    for device in sorted(devices, key=str):
+    """Why the default (fused_step=None) stays unfused for lack of native kernels, or "".
+    Where no native kernels serve a device, torch's own fused kernels carry the step for SGD,
+    Adam and AdamW (``kernels_for``). For the other optimizers only the Python backend's fused
+    ops are left, the kernels' reference: exact, but many passes (no host read, but temporaries
+    for every new value), slower than the optimizer's own step; fused_step=True still takes
+    them, for the memory."""
+    for device in _devices(optimizer):
         name, reason = backend(device)
         if name != "native":
-            return (f"the native kernels do not serve {device.type} ({reason}), and the Python "
-                    f"reference of the fused step is slower than the optimizer's own; "
-                    f"fused_step=True takes it anyway (no fp32 master gradients)")
+            torch_why = fusable.torch_kernels_reason(optimizer)
+            if not torch_why:
+                return ""
+            return (f"the native kernels do not serve {device.type} ({reason}), {torch_why}, "
+                    f"and the Python reference of the fused step is slower than the optimizer's "
+                    f"own; fused_step=True takes it anyway (no fp32 master gradients)")
     return ""
+
+
+def _devices(optimizer: torch.optim.Optimizer) -> List[torch.device]:
+    devices = {p.device for group in optimizer.param_groups for p in group["params"]}
+    return sorted(devices, key=str)
+
+
+def kernels_for(optimizer: torch.optim.Optimizer, device: torch.device):
+    """The kernels of the fused step on ``device``: ``(name, ops)``, ``ops`` None for the
+    backend serving the device (``ops_for``). The native kernels where they serve it; else
+    torch's own fused kernels where they compute the optimizer's update (fp32 gradients
+    converted in chunks, multi_tensor/_torch_fused.py); else the Python reference."""
+    if backend(device)[0] == "native":
+        return "native kernels", None
+    if not fusable.torch_kernels_reason(optimizer):
+        return (f"torch's fused kernels, half gradients converted to fp32 "
+                f"{_torch_fused.CHUNK_ELEMENTS >> 18} MiB at a time", _torch_fused)
+    return "the Python reference of the kernels", None
 
 
 class UnfusedStep:
@@ -133,10 +156,10 @@ class _Bucket:
         self.sources: List[torch.Tensor] = []     # the model parameters whose .grad feeds them
         self.update: Optional[FusedUpdate] = None
 
-    def build(self, update_class, label: str) -> None:
+    def build(self, update_class, label: str, ops) -> None:
         self.update = update_class(self.masters, grad_sources=self.sources,
                                    model_params=self.sources if self.with_half else None,
-                                   label=label)
+                                   label=label, ops=ops)
 
 
 class FusedStep:
@@ -158,7 +181,12 @@ class FusedStep:
         self._adopted: Optional[dict] = None
 
     def describe(self) -> str:
-        return "fused step"
+        """"fused step", and where other kernels than the native ones run it, which."""
+        routes = {kernels_for(self.optimizer, device)[0]: device.type
+                  for device in _devices(self.optimizer)}
+        others = [f"{name} on {device}" for name, device in routes.items()
+                  if name != "native kernels"]
+        return "fused step" + (f" ({'; '.join(others)})" if others else "")
 
     # ---- the end of scale_loss ----------------------------------------------------------------
     def end_backward(self, amp_opt, stash, scale: BackwardScale, check) -> None:
@@ -254,7 +282,8 @@ class FusedStep:
                     bucket.masters.append(master)
                     bucket.sources.append(source)
             for bucket in buckets.values():
-                bucket.build(self.update_class, f"{type(self.optimizer).__name__} under amp")
+                bucket.build(self.update_class, f"{type(self.optimizer).__name__} under amp",
+                             kernels_for(self.optimizer, bucket.device)[1])
             self._buckets = list(buckets.values())
             self._built_for = signature
         return self._buckets

@@ -5,6 +5,9 @@ O2 step).
   ``NovoGradUpdate`` or ``AdagradUpdate`` for torch.optim.SGD, Adam, AdamW and apex_lite's
   FusedSGD, FusedAdam, FusedLAMB, FusedNovoGrad, FusedAdagrad; None for any other optimizer or
   option, and then ``unfused_reason(optimizer)`` says why.
+- ``torch_kernels_reason(optimizer)``: "" when torch's own fused kernels (``torch._fused_sgd_``,
+  ``_fused_adam_``, ``_fused_adamw_``) compute its update too, the route of amp's fused step
+  without native kernels (``multi_tensor/_torch_fused.py``); else why not.
 - ``hyper_parameters(optimizer, group)``: the group's hyper-parameters as that class takes them
   (torch's names: lr, momentum, dampening, weight_decay, nesterov; betas, eps, weight_decay,
   AdamW / decoupled_weight_decay; torch's Adam always corrects the bias). Read it at every step:
@@ -25,8 +28,9 @@ from .fused_lamb import FusedLAMB, LambHyper, LambUpdate
 from .fused_novograd import FusedNovoGrad, NovoGradHyper, NovoGradUpdate
 from .fused_sgd import FusedSGD, SGDHyper, SGDUpdate
 from .update import FusedUpdate
+from ..multi_tensor import _torch_fused
 
-__all__ = ["update_class", "unfused_reason", "hyper_parameters"]
+__all__ = ["update_class", "unfused_reason", "hyper_parameters", "torch_kernels_reason"]
 
 
 def _adamw_hyper(group: dict) -> AdamHyper:
@@ -90,3 +94,26 @@ def hyper_parameters(optimizer: torch.optim.Optimizer, group: dict):
     """``group``'s hyper-parameters (``SGDHyper``, ``AdamHyper``, ``LambHyper``, ...) for the
     update class of ``optimizer``, which must be served (``update_class`` not None)."""
     return _HYPER[type(optimizer)](group)
+
+
+def torch_kernels_reason(optimizer: torch.optim.Optimizer) -> str:
+    """Why torch's own fused kernels do not compute ``optimizer``'s update (SGD and Adam/AdamW
+    only, with the options they take); "" when they do. Read at ``initialize``: a group changed
+    later to an option they lack is stepped by the Python reference, per call."""
+    why = unfused_reason(optimizer)
+    if why:
+        return why
+    update = _SERVED[type(optimizer)]
+    if update not in (SGDUpdate, AdamUpdate):
+        return (f"torch has no fused kernel for {_name(type(optimizer))}'s update (it has "
+                f"SGD's, Adam's and AdamW's)")
+    for index, group in enumerate(optimizer.param_groups):
+        hyper = hyper_parameters(optimizer, group)
+        if update is AdamUpdate and not _torch_fused.serves_adam(hyper.bias_correction):
+            return (f"param group {index} has bias_correction=False, and torch's Adam kernels "
+                    f"always correct the bias")
+        if update is SGDUpdate and not _torch_fused.serves_sgd(hyper.weight_decay,
+                                                               hyper.wd_after_momentum):
+            return (f"param group {index} has wd_after_momentum=True, and torch's SGD kernel "
+                    f"adds the weight decay before the momentum")
+    return ""

@@ -139,8 +139,13 @@ class FusedUpdate:
 
     def __init__(self, params: Sequence[torch.Tensor],
                  grad_sources: Optional[Sequence[torch.Tensor]] = None,
-                 model_params: Optional[Sequence[torch.Tensor]] = None, *, label: str = ""):
+                 model_params: Optional[Sequence[torch.Tensor]] = None, *, label: str = "",
+                 ops=None):
         self.params: List[torch.Tensor] = list(params)
+        # The op module that computes the step (``fused_sgd_``, ``fused_adam_``, ...): by default
+        # the backend serving the device, looked up at each call (``ops_for``); amp's O2 step
+        # passes torch's fused kernels where no native ones serve it (multi_tensor/_torch_fused).
+        self.ops = ops
         self.grad_sources: List[torch.Tensor] = (self.params if grad_sources is None
                                                  else list(grad_sources))
         self.model_params: List[torch.Tensor] = [] if model_params is None else list(model_params)
@@ -224,7 +229,7 @@ class FusedUpdate:
             grads = [grads[i] for i in plan.picks]
         if self.sharded:
             plan, grads = plan.local(), local_shards(grads)
-        ops = ops_for(self.device)
+        ops = self.ops or ops_for(self.device)
         try:
             self._launch(ops, plan, state, grads, inv_scale, found_inf, hyper, *extra)
         except (RuntimeError, TypeError, ValueError) as exc:
@@ -253,8 +258,8 @@ class FusedUpdate:
         if plan.held is None:
             held = None
             if self.held_step:
-                held = ops_for(self.device).hold_lists(plan.params, self.grad_sources,
-                                                       plan.model_params, self._held_state(plan))
+                held = (self.ops or ops_for(self.device)).hold_lists(
+                    plan.params, self.grad_sources, plan.model_params, self._held_state(plan))
             plan.held = False if held is None else held
             if held is None:
                 return False

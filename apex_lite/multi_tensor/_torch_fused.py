@@ -1,0 +1,339 @@
+"""``fused_sgd_`` and ``fused_adam_`` through torch's own fused optimizer kernels: the route of
+amp's O2 fused step where apex_lite's native kernels do not serve a device (the default
+``pip install .`` builds none).
+
+torch ships the kernels that ``torch.optim.SGD/Adam/AdamW(fused=True)`` run, for the CPU and
+CUDA: ``torch._fused_sgd_``, ``torch._fused_adam_`` and ``torch._fused_adamw_``. Each reads a
+parameter, its gradient and its state once and writes them once, and takes a ``grad_scale`` (the
+gradient is divided by it) and a ``found_inf`` (1.0: write nothing). What they lack for O2 is a
+gradient in another dtype than the parameter: an O2 master is fp32, its gradient (the half model
+parameter's, still multiplied by the loss scale) is fp16 or bf16. So here the half gradients are
+converted to fp32 in chunks of at most ``CHUNK_ELEMENTS`` into one fp32 buffer, and each chunk is
+stepped right after its conversion, while it is still in cache; then the chunk's masters are
+rounded into the half model parameters (one foreach copy). A parameter larger than a chunk is
+stepped in slices (its step count, which the kernel only reads, is shared by the slices and
+incremented once). No fp32 copy of all gradients exists at any time: O2 holds fp32 master weights,
+half weights, half gradients and the fp32 state, which is fp32 training's bytes per parameter.
+
+The signatures and the meaning are the native ops' (``_python.py`` is their reference):
+``grad * inv_scale`` is the true gradient, a set ``found_inf`` writes nothing at all (parameters,
+state, step counts, model parameters), the step counts are incremented by the op, the model
+parameters receive the updated values rounded once. The results match the native kernels to fp32
+rounding, not bit for bit: torch's kernels order their arithmetic their own way (one ulp of a
+parameter per step, measured) and divide by the scale where the native kernels multiply by its
+inverse (the same for loss scales that are powers of two).
+
+What torch's kernels do not compute goes to the Python reference, per call: Adam without bias
+correction (FusedAdam's ``bias_correction=False``), apex's ``wd_after_momentum`` with a weight
+decay, parameters that are not fp32. ``serves_adam`` / ``serves_sgd`` say which, so that amp can
+choose the unfused step for them instead.
+
+Skips: nothing is read on the host, on any device (a GPU step must not sync): the kernels skip on
+the device, each step count adds ``1 - found_inf``, and the half parameters are written from the
+masters, which they already round (their bits do not change). A skipped step therefore costs the
+conversions; skips are rare. fp32 gradients (the masters' materialised ones, parameters kept in
+fp32) are passed as they are, and torch's kernels write the unscaled values back into them: the
+true (clipped) gradients that the unfused step would show.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from . import _checks, _python
+
+Tensors = Sequence[torch.Tensor]
+
+# Elements of fp32 gradient converted per chunk: 4 MiB of buffer, which stays in a core's L2 or
+# the last-level cache between its conversion and its step.
+CHUNK_ELEMENTS = 1 << 20
+
+__all__ = ["fused_sgd_", "fused_adam_", "serves_adam", "serves_sgd", "hold_lists",
+           "CHUNK_ELEMENTS"]
+
+
+def serves_adam(bias_correction: bool) -> bool:
+    """Whether torch's kernels compute this Adam (they always correct the bias)."""
+    return bool(bias_correction)
+
+
+def serves_sgd(weight_decay: float, wd_after_momentum: bool) -> bool:
+    """Whether torch's kernel computes this SGD (weight decay before the momentum only)."""
+    return not (wd_after_momentum and weight_decay != 0.0)
+
+
+def hold_lists(params: Tensors, grad_sources: Tensors, model_params: Tensors,
+               state: Sequence[Tensors]) -> Optional["_HeldLists"]:
+    """The lists of a plan, held between steps with their chunk layout (``_HeldLists``); None
+    where torch's kernels do not take them (tensors other than fp32, for the Python reference's
+    list path)."""
+    if not params or not _all_fp32(params, *state[:2]):
+        return None
+    if len(state) == 3:   # Adam's: exp_avgs, exp_avg_sqs, steps
+        _checks.check_own_step_counts("fused_adam_", state[2])
+    return _HeldLists(list(params), list(grad_sources), list(model_params),
+                      [list(tensors) for tensors in state])
+
+
+def _all_fp32(*lists: Tensors) -> bool:
+    return all(t.dtype == torch.float32 for tensors in lists for t in tensors)
+
+
+def _scales(inv_scale: torch.Tensor, found_inf: torch.Tensor
+            ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(grad_scale, found_inf)`` as torch's kernels take them: the divisor of the gradient, and
+    a flag that is exactly 1.0 where it is set (the kernels compare with 1.0). Nothing is read
+    on the host, on any device."""
+    grad_scale = torch.reciprocal(inv_scale.reshape(1).to(torch.float32))
+    return grad_scale, (found_inf.reshape(1) != 0).to(torch.float32)
+
+
+def _count_steps(steps: Tensors, flag: torch.Tensor) -> None:
+    """Each step count + (1 - found_inf): nothing read on the host."""
+    if steps:
+        torch._foreach_add_(list(steps), (1.0 - flag).reshape(()))
+
+
+def _pieces(lists: List[List[torch.Tensor]], limit: int) -> List[List[Tuple[int, Optional[slice]]]]:
+    """The chunks of one call: lists of ``(index, part)`` whose elements total at most
+    ``limit``, ``part`` a slice of the flattened tensor, or None for the whole tensor. A tensor
+    is sliced only when every list's tensor at its index is contiguous; one that cannot be
+    sliced and exceeds ``limit`` is a chunk of its own."""
+    chunks: List[List[Tuple[int, Optional[slice]]]] = []
+    current: List[Tuple[int, Optional[slice]]] = []
+    room = limit
+    for i, t in enumerate(lists[0]):
+        n = t.numel()
+        if n <= room:
+            current.append((i, None))
+            room -= n
+            continue
+        if not all(tensors[i].is_contiguous() for tensors in lists):
+            if current:
+                chunks.append(current)
+            current, room = [(i, None)], limit - n
+            if room <= 0:
+                chunks.append(current)
+                current, room = [], limit
+            continue
+        start = 0
+        while start < n:
+            if room == 0:
+                chunks.append(current)
+                current, room = [], limit
+            stop = min(n, start + room)
+            current.append((i, slice(start, stop)))
+            room -= stop - start
+            start = stop
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+class _Chunk:
+    """One chunk's pieces: flat views of the tensors (or of slices of them) where every tensor
+    at that index is contiguous, the tensors as they are otherwise."""
+    __slots__ = ("where", "flat", "sizes", "params", "states", "steps", "models")
+
+    def __init__(self, where, params, states, steps, model_params):
+        self.where = where                               # (index, part) per piece
+        self.flat = [all(t[i].is_contiguous() for t in (params, *states, model_params) if t)
+                     for i, _ in where]
+        self.sizes = [_numel(params[i], part) for (i, part), flat in zip(where, self.flat)
+                      if flat]
+        self.params = self._pieces(params)
+        self.states = [self._pieces(state) for state in states]
+        self.steps = [steps[i] for i, _ in where] if steps else []
+        self.models = self._pieces(model_params) if model_params else []
+
+    def _pieces(self, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+        return [_piece(tensors[i], part) if flat else tensors[i]
+                for (i, part), flat in zip(self.where, self.flat)]
+
+    def grads(self, grads: List[torch.Tensor], buffer: torch.Tensor
+              ) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        """This chunk's pieces of ``grads`` and the fp32 tensors they are converted into:
+        consecutive views of ``buffer`` for the flat pieces, fresh tensors like the parameter
+        for the others."""
+        views = iter(buffer[:sum(self.sizes)].split_with_sizes(self.sizes))
+        pieces, outs = [], []
+        for (i, part), flat, param in zip(self.where, self.flat, self.params):
+            if flat:   # reshape: a view of a contiguous gradient, a copy of another
+                pieces.append(_piece(grads[i].reshape(-1), part))
+                outs.append(next(views))
+            else:
+                pieces.append(grads[i])
+                outs.append(torch.empty_like(param, dtype=torch.float32))
+        return pieces, outs
+
+
+def _numel(t: torch.Tensor, part: Optional[slice]) -> int:
+    return t.numel() if part is None else part.stop - part.start
+
+
+def _piece(t: torch.Tensor, part: Optional[slice]) -> torch.Tensor:
+    """A contiguous tensor flattened, sliced by ``part`` unless it is None."""
+    return t.view(-1) if part is None else t.view(-1)[part]
+
+
+class _Layout:
+    """How a call's tensors are stepped in chunks (``_pieces``), with the views built once:
+    a held list (``hold_lists``) keeps its layout between steps."""
+
+    def __init__(self, params, states, steps, model_params):
+        lists = [params, *states] + ([model_params] if model_params else [])
+        self.chunks = [_Chunk(where, params, states, steps, model_params)
+                       for where in _pieces(lists, CHUNK_ELEMENTS)]
+        self.size = max((sum(chunk.sizes) for chunk in self.chunks), default=0)
+        self.device = params[0].device
+
+    def step(self, kernel, grads: List[torch.Tensor], grad_scale, flag) -> None:
+        """Convert each chunk's half gradients into one fp32 buffer (allocated for this call
+        only: it is not held through the forward), step the chunk, round its masters into the
+        model parameters."""
+        buffer = torch.empty(self.size, dtype=torch.float32, device=self.device)
+        for chunk in self.chunks:
+            pieces, g32 = chunk.grads(grads, buffer)
+            torch._foreach_copy_(g32, pieces)
+            kernel(chunk.params, g32, chunk.states, chunk.steps, grad_scale, flag)
+            if chunk.models:
+                torch._foreach_copy_(chunk.models, chunk.params)
+
+
+def _stepped(kernel, params: List[torch.Tensor], grads: List[torch.Tensor],
+             states: List[List[torch.Tensor]], steps: List[torch.Tensor],
+             model_params: List[torch.Tensor], grad_scale: torch.Tensor,
+             flag: torch.Tensor, layout: Optional[_Layout] = None) -> None:
+    """``kernel(params, grads, states, steps, grad_scale, flag)`` over the tensors: fp32
+    gradients as they stand in one call, half ones converted chunk by chunk (``layout``, built
+    here unless given for exactly these half-gradient tensors); the masters rounded into
+    ``model_params``."""
+    half = [i for i, g in enumerate(grads) if g.dtype != torch.float32]
+    if len(half) < len(grads):   # fp32 gradients: no conversion, one call
+        whole = [i for i, g in enumerate(grads) if g.dtype == torch.float32]
+        kernel(_pick(params, whole), _pick(grads, whole), [_pick(s, whole) for s in states],
+               _pick(steps, whole), grad_scale, flag)
+        if model_params:
+            torch._foreach_copy_(_pick(model_params, whole), _pick(params, whole))
+        if not half:
+            return
+        params, grads, steps = _pick(params, half), _pick(grads, half), _pick(steps, half)
+        states = [_pick(s, half) for s in states]
+        model_params = _pick(model_params, half)
+        layout = None
+    if layout is None:
+        layout = _Layout(params, states, steps, model_params)
+    layout.step(kernel, grads, grad_scale, flag)
+
+
+def _pick(tensors: List[torch.Tensor], indices: List[int]) -> List[torch.Tensor]:
+    return [tensors[i] for i in indices] if tensors else []
+
+
+def _adam_kernel(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                 adam_w_mode: bool):
+    fused = torch._fused_adamw_ if adam_w_mode else torch._fused_adam_
+
+    def kernel(params, grads, states, steps, grad_scale, found_inf):
+        fused(params, grads, states[0], states[1], [], steps, lr=lr, beta1=beta1, beta2=beta2,
+              weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False,
+              grad_scale=grad_scale, found_inf=found_inf)
+    return kernel
+
+
+def _sgd_kernel(lr: float, momentum: float, dampening: float, weight_decay: float,
+                nesterov: bool, first_run: bool):
+    def kernel(params, grads, states, steps, grad_scale, found_inf):
+        torch._fused_sgd_(params, grads, states[0] if states else [], weight_decay=weight_decay,
+                          momentum=momentum, lr=lr, dampening=dampening, nesterov=nesterov,
+                          maximize=False, is_first_step=first_run, grad_scale=grad_scale,
+                          found_inf=found_inf)
+    return kernel
+
+
+def fused_adam_(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors,
+                model_params: Tensors, steps: Tensors, inv_scale: torch.Tensor,
+                found_inf: torch.Tensor, lr: float, beta1: float, beta2: float, eps: float,
+                weight_decay: float, adam_w_mode: bool, bias_correction: bool) -> None:
+    _checks.check_own_step_counts("fused_adam_", steps)
+    if not params:
+        return
+    if not serves_adam(bias_correction) or not _all_fp32(params, exp_avgs, exp_avg_sqs):
+        _python.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, model_params, steps,
+                            inv_scale, found_inf, lr, beta1, beta2, eps, weight_decay,
+                            adam_w_mode, bias_correction)
+        return
+    grad_scale, flag = _scales(inv_scale, found_inf)
+    _count_steps(steps, flag)
+    _stepped(_adam_kernel(lr, beta1, beta2, eps, weight_decay, adam_w_mode), list(params),
+             list(grads), [list(exp_avgs), list(exp_avg_sqs)], list(steps), list(model_params),
+             grad_scale, flag)
+
+
+def fused_sgd_(params: Tensors, grads: Tensors, momentum_buffers: Tensors, model_params: Tensors,
+               inv_scale: torch.Tensor, found_inf: torch.Tensor, lr: float, momentum: float,
+               dampening: float, weight_decay: float, nesterov: bool, wd_after_momentum: bool,
+               first_run: bool) -> None:
+    if not params:
+        return
+    if not serves_sgd(weight_decay, wd_after_momentum) or \
+            not _all_fp32(params, momentum_buffers):
+        _python.fused_sgd_(params, grads, momentum_buffers, model_params, inv_scale, found_inf,
+                           lr, momentum, dampening, weight_decay, nesterov, wd_after_momentum,
+                           first_run)
+        return
+    grad_scale, flag = _scales(inv_scale, found_inf)
+    states = [list(momentum_buffers)] if momentum != 0.0 else []
+    _stepped(_sgd_kernel(lr, momentum, dampening, weight_decay, nesterov, first_run),
+             list(params), list(grads), states, [], list(model_params), grad_scale, flag)
+
+
+class _HeldLists:
+    """One plan's lists, held between its steps (``hold_lists``): the chunk layout and its views
+    are built once, and a step reads the gradients of ``grad_sources`` itself. Each step method
+    returns False, having done nothing, where the list path must take the step (a gradient
+    missing, sparse, or of mixed dtypes; a flavour torch's kernels do not compute)."""
+
+    def __init__(self, params, grad_sources, model_params, state):
+        self.params = params
+        self.grad_sources = grad_sources
+        self.model_params = model_params
+        self.state = state
+        self._layout: Optional[_Layout] = None
+
+    def _grads(self) -> Optional[List[torch.Tensor]]:
+        grads = [source.grad for source in self.grad_sources]
+        dtypes = {None if g is None or g.layout != torch.strided else g.dtype for g in grads}
+        return grads if len(dtypes) == 1 and None not in dtypes else None
+
+    def _step(self, kernel, grads, inv_scale, found_inf, states, steps) -> None:
+        grad_scale, flag = _scales(inv_scale, found_inf)
+        _count_steps(steps, flag)
+        layout = None
+        if grads[0].dtype != torch.float32:
+            if self._layout is None:
+                self._layout = _Layout(self.params, states, steps, self.model_params)
+            layout = self._layout
+        _stepped(kernel, self.params, grads, states, steps, self.model_params, grad_scale,
+                 flag, layout)
+
+    def fused_adam_(self, inv_scale, found_inf, lr, beta1, beta2, eps, weight_decay,
+                    adam_w_mode, bias_correction) -> bool:
+        grads = self._grads()
+        if grads is None or not serves_adam(bias_correction):
+            return False
+        exp_avgs, exp_avg_sqs, steps = self.state
+        self._step(_adam_kernel(lr, beta1, beta2, eps, weight_decay, adam_w_mode), grads,
+                   inv_scale, found_inf, [exp_avgs, exp_avg_sqs], steps)
+        return True
+
+    def fused_sgd_(self, inv_scale, found_inf, lr, momentum, dampening, weight_decay, nesterov,
+                   wd_after_momentum, first_run) -> bool:
+        grads = self._grads()
+        if grads is None or not serves_sgd(weight_decay, wd_after_momentum) or \
+                (momentum != 0.0) != bool(self.state and self.state[0]):
+            return False
+        self._step(_sgd_kernel(lr, momentum, dampening, weight_decay, nesterov, first_run),
+                   grads, inv_scale, found_inf, [self.state[0]] if momentum != 0.0 else [], [])
+        return True
