@@ -32,8 +32,8 @@ Skips: nothing is read on the host, on any device (a GPU step must not sync): th
 the device, each step count adds ``1 - found_inf``, and the half parameters are written from the
 masters, which they already round (their bits do not change). A skipped step therefore costs the
 conversions; skips are rare. fp32 gradients (the masters' materialised ones, parameters kept in
-fp32) are passed as they are, and torch's kernels write the unscaled values back into them: the
-true (clipped) gradients that the unfused step would show.
+fp32, FSDP2's shards) go through the buffer too: torch's kernels write the unscaled gradient
+back where they read it, and the gradients are the op's inputs, read only.
 """
 from __future__ import annotations
 
@@ -205,23 +205,8 @@ def _stepped(kernel, params: List[torch.Tensor], grads: List[torch.Tensor],
              states: List[List[torch.Tensor]], steps: List[torch.Tensor],
              model_params: List[torch.Tensor], grad_scale: torch.Tensor,
              flag: torch.Tensor, layout: Optional[_Layout] = None) -> None:
-    """``kernel(params, grads, states, steps, grad_scale, flag)`` over the tensors: fp32
-    gradients as they stand in one call, half ones converted chunk by chunk (``layout``, built
-    here unless given for exactly these half-gradient tensors); the masters rounded into
-    ``model_params``."""
-    half = [i for i, g in enumerate(grads) if g.dtype != torch.float32]
-    if len(half) < len(grads):   # fp32 gradients: no conversion, one call
-        whole = [i for i, g in enumerate(grads) if g.dtype == torch.float32]
-        kernel(_pick(params, whole), _pick(grads, whole), [_pick(s, whole) for s in states],
-               _pick(steps, whole), grad_scale, flag)
-        if model_params:
-            torch._foreach_copy_(_pick(model_params, whole), _pick(params, whole))
-        if not half:
-            return
-        params, grads, steps = _pick(params, half), _pick(grads, half), _pick(steps, half)
-        states = [_pick(s, half) for s in states]
-        model_params = _pick(model_params, half)
-        layout = None
+    """``kernel(params, grads, states, steps, grad_scale, flag)`` chunk by chunk (``layout``,
+    built here unless given), the masters rounded into ``model_params``."""
     if layout is None:
         layout = _Layout(params, states, steps, model_params)
     layout.step(kernel, grads, grad_scale, flag)
@@ -310,13 +295,9 @@ class _HeldLists:
     def _step(self, kernel, grads, inv_scale, found_inf, states, steps) -> None:
         grad_scale, flag = _scales(inv_scale, found_inf)
         _count_steps(steps, flag)
-        layout = None
-        if grads[0].dtype != torch.float32:
-            if self._layout is None:
-                self._layout = _Layout(self.params, states, steps, self.model_params)
-            layout = self._layout
-        _stepped(kernel, self.params, grads, states, steps, self.model_params, grad_scale,
-                 flag, layout)
+        if self._layout is None:
+            self._layout = _Layout(self.params, states, steps, self.model_params)
+        self._layout.step(kernel, grads, grad_scale, flag)
 
     def fused_adam_(self, inv_scale, found_inf, lr, beta1, beta2, eps, weight_decay,
                     adam_w_mode, bias_correction) -> bool:
