@@ -6,8 +6,9 @@ loss scaling and fused step change. Each variant runs in its own process (peak m
 process's), in turn:
 
   fp32 AdamW(fused)    torch.optim.AdamW(fused=True) on fp32 parameters: the baseline
-  O2 AdamW             amp O2 with torch.optim.AdamW: amp's fused step (fused_step=True: the
-                       default with native kernels; without them the Python reference)
+  O2 AdamW             amp O2 with torch.optim.AdamW: amp's fused step (fused_step=True, the
+                       default): the native kernels, or without them (APEX_LITE_DISABLE_EXT=1,
+                       a pure install) torch's fused kernels over fp32 gradient chunks
   O2 AdamW unfused     the same with fused_step=False: fp32 master gradients, torch's step
   O2 FusedAdam         amp O2 with apex_lite.optimizers.FusedAdam (fused_step=True)
   fp32 SGD(fused)      torch.optim.SGD(fused=True), no momentum, on fp32 parameters
@@ -22,7 +23,8 @@ over the rounds: on a shared host the memory bandwidth moves by tens of percent 
 process to the next, and one process per variant gave the same step 1.0x or 1.5x fp32's
 depending on when it ran. Targets (issue 9): O2
 with either AdamW no slower than 1.1x fp32 fused AdamW and no more than 1.0x its peak memory;
-with SGD without momentum, O2 memory <= fp32's.
+with SGD without momentum, O2 memory <= fp32's. Without native kernels (issue 29): O2 AdamW
+at most 1.5x fp32 fused AdamW's time and 1.05x its peak.
 
     python bench/o2_step.py                     # 8M parameters in 200 tensors, ~3 min
     python bench/o2_step.py --tensors 4000      # the many-small-tensors case

@@ -126,7 +126,8 @@ def test_report_says_the_same_on_both_paths_but_the_path_and_its_gradients():
     fused, unfused = _report_lines(True), _report_lines(False)
     # What differs, truly: the step path, and the fp32 master gradients that only the unfused
     # step holds (so the bytes per parameter).
-    assert "  optimizer 0 (SGD): fused step" in fused
+    # (without native kernels the fused step says which kernels it runs on: torch's)
+    assert any(line.startswith("  optimizer 0 (SGD): fused step") for line in fused)
     assert "  optimizer 0 (SGD): unfused step (fused_step=False)" in unfused
     assert "  gradients: 4 torch.float32 tensors, 196 B" in unfused
     assert not any("gradients: 4 torch.float32" in line for line in fused)

@@ -18,7 +18,7 @@ from apex_lite import amp
 from apex_lite.amp.master_grads import stored_grad
 from apex_lite.amp.optimizer import CHECKED, UNSCALED
 from apex_lite.multi_tensor import backend
-from apex_lite.optimizers import FusedAdam, FusedLAMB, FusedSGD
+from apex_lite.optimizers import FusedAdagrad, FusedAdam, FusedLAMB, FusedSGD
 
 OPTIMIZERS = {
     "SGD": lambda params: torch.optim.SGD(params, lr=0.05),
@@ -525,6 +525,9 @@ def test_the_default_takes_the_fused_step_where_kernels_serve_the_device():
     cases = [(torch.optim.Adam, {}, ""), (torch.optim.AdamW, {}, ""),
              (torch.optim.SGD, dict(momentum=0.9, nesterov=True), ""),
              (FusedAdam, {}, ""), (FusedSGD, dict(momentum=0.9, weight_decay=0.1), ""),
+             (FusedAdagrad, dict(weight_decay=0.1), ""),
+             (FusedAdagrad, dict(weight_decay=0.1, adagrad_w_mode=True),
+              "param group 0 has adagrad_w_mode=True"),
              (FusedLAMB, {}, "torch has no fused kernel for apex_lite.optimizers.fused_lamb"
                              ".FusedLAMB's update"),
              (FusedAdam, dict(bias_correction=False), "param group 0 has bias_correction=False"),

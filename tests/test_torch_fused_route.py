@@ -23,7 +23,7 @@ from amp_helpers import assert_bitwise_equal, snapshot
 from apex_lite import amp
 from apex_lite.amp.master_grads import stored_grad
 from apex_lite.multi_tensor import _backend, _python, _torch_fused
-from apex_lite.optimizers import FusedAdam, FusedSGD
+from apex_lite.optimizers import FusedAdagrad, FusedAdam, FusedSGD
 
 HALVES = [torch.bfloat16, torch.float16]
 
@@ -175,6 +175,25 @@ def test_sgd_matches_the_reference_across_chunks(small_chunks, grad_dtype, flavo
     _assert_updated_alike(ours, ref, names=("params", "exp_avgs"))
 
 
+ADAGRAD = {"plain": (0.1, 1e-10, 0.0, False), "l2": (0.05, 1e-6, 0.1, False)}
+
+
+@pytest.mark.parametrize("grad_dtype", HALVES + [torch.float32])
+@pytest.mark.parametrize("flavour", sorted(ADAGRAD))
+def test_adagrad_matches_the_reference_across_chunks(small_chunks, grad_dtype, flavour):
+    ours = _lists(grad_dtype)
+    ref = _clone(ours)
+    inv = torch.tensor([1 / 1024.0])
+    for i in range(3):
+        found = torch.ones(1) if i == 1 else torch.zeros(1)
+        for ops, lists in ((_torch_fused, ours), (_python, ref)):
+            ops.fused_adagrad_(lists["params"], lists["grads"], lists["exp_avgs"],
+                               lists["model_params"], lists["steps"], inv, found,
+                               *ADAGRAD[flavour])
+    _assert_updated_alike(ours, ref, names=("params", "exp_avgs"))
+    assert all(float(s) == 2.0 for s in ours["steps"])
+
+
 def test_what_torch_does_not_compute_is_the_reference_bit_for_bit():
     """Adam without bias correction and SGD's weight decay after the momentum (apex's options)
     go to the Python reference, per call."""
@@ -188,6 +207,10 @@ def test_what_torch_does_not_compute_is_the_reference_bit_for_bit():
     for ops, lists in ((_torch_fused, ours), (_python, ref)):
         ops.fused_sgd_(lists["params"], lists["grads"], lists["exp_avgs"], lists["model_params"],
                        inv, torch.zeros(1), *sgd, False)
+    adagrad = (0.1, 1e-10, 0.01, True)
+    for ops, lists in ((_torch_fused, ours), (_python, ref)):
+        ops.fused_adagrad_(lists["params"], lists["grads"], lists["exp_avg_sqs"],
+                           lists["model_params"], lists["steps"], inv, torch.zeros(1), *adagrad)
     for name in ours:
         for a, b in zip(ours[name], ref[name]):
             assert torch.equal(a, b), name
@@ -266,6 +289,7 @@ OPTIMIZERS = {
     "SGD-dampening": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.5, dampening=0.3),
     "FusedAdam": lambda p: FusedAdam(p, lr=1e-2, weight_decay=1e-2),
     "FusedSGD": lambda p: FusedSGD(p, lr=0.05, momentum=0.9),
+    "FusedAdagrad": lambda p: FusedAdagrad(p, lr=0.05, weight_decay=1e-2),
 }
 
 

@@ -5,8 +5,10 @@ Each amp optimizer has one step path, chosen by ``initialize`` (``choose``):
 - ``UnfusedStep``: the end of every ``scale_loss`` unscales the new gradients (under O2 into the
   masters' fp32 gradients), ``step()`` runs the optimizer's own ``step()`` and, under O2, rounds
   the masters into the half model. Any optimizer, any opt level.
-- ``FusedStep`` (O2, an optimizer whose update ``apex_lite.optimizers`` computes, and native
-  kernels for its device, or ``fused_step=True``): the end of
+- ``FusedStep`` (O2, an optimizer whose update ``apex_lite.optimizers`` computes, with kernels
+  that serve its device: the native ones, or torch's own fused kernels for SGD, Adam/AdamW and
+  Adagrad where no native ones do (``kernels_for``), or with ``fused_step=True`` the Python
+  reference): the end of
   the first ``scale_loss`` of a step only checks the half gradients for inf/NaN (read-only, into
   the overflow flag) and leaves them scaled (CHECKED), and unscales in place those of parameters
   that are their own masters (kept fp32, FSDP2's shards: they hold their true gradient after the
@@ -69,7 +71,7 @@ def choose(optimizer: torch.optim.Optimizer, index: int, properties,
 def _without_native_kernels(optimizer: torch.optim.Optimizer) -> str:
     """Why the default (fused_step=None) stays unfused for lack of native kernels, or "".
     Where no native kernels serve a device, torch's own fused kernels carry the step for SGD,
-    Adam and AdamW (``kernels_for``). For the other optimizers only the Python backend's fused
+    Adam/AdamW and Adagrad (``kernels_for``). For the other optimizers only the Python backend's fused
     ops are left, the kernels' reference: exact, but many passes (no host read, but temporaries
     for every new value), slower than the optimizer's own step; fused_step=True still takes
     them, for the memory."""

@@ -1,9 +1,9 @@
-"""``fused_sgd_`` and ``fused_adam_`` through torch's own fused optimizer kernels: the route of
+"""``fused_sgd_``, ``fused_adam_`` and ``fused_adagrad_`` through torch's own fused optimizer kernels: the route of
 amp's O2 fused step where apex_lite's native kernels do not serve a device (the default
 ``pip install .`` builds none).
 
-torch ships the kernels that ``torch.optim.SGD/Adam/AdamW(fused=True)`` run, for the CPU and
-CUDA: ``torch._fused_sgd_``, ``torch._fused_adam_`` and ``torch._fused_adamw_``. Each reads a
+torch ships the kernels that ``torch.optim.SGD/Adam/AdamW/Adagrad(fused=True)`` run, for the CPU
+and CUDA: ``torch._fused_sgd_``, ``_fused_adam_``, ``_fused_adamw_`` and ``_fused_adagrad_``. Each reads a
 parameter, its gradient and its state once and writes them once, and takes a ``grad_scale`` (the
 gradient is divided by it) and a ``found_inf`` (1.0: write nothing). What they lack for O2 is a
 gradient in another dtype than the parameter: an O2 master is fp32, its gradient (the half model
@@ -24,9 +24,10 @@ parameter per step, measured) and divide by the scale where the native kernels m
 inverse (the same for loss scales that are powers of two).
 
 What torch's kernels do not compute goes to the Python reference, per call: Adam without bias
-correction (FusedAdam's ``bias_correction=False``), apex's ``wd_after_momentum`` with a weight
-decay, parameters that are not fp32. ``serves_adam`` / ``serves_sgd`` say which, so that amp can
-choose the unfused step for them instead.
+correction (FusedAdam's ``bias_correction=False``), apex's ``wd_after_momentum`` and
+``adagrad_w_mode`` with a weight decay, parameters that are not fp32. ``serves_adam``,
+``serves_sgd`` and ``serves_adagrad`` say which, so that amp can choose the unfused step for
+them instead. (Adagrad's lists are not held: its update takes the list path on every backend.)
 
 Skips: nothing is read on the host, on any device (a GPU step must not sync): the kernels skip on
 the device, each step count adds ``1 - found_inf``, and the half parameters are written from the
@@ -49,8 +50,8 @@ Tensors = Sequence[torch.Tensor]
 # the last-level cache between its conversion and its step.
 CHUNK_ELEMENTS = 1 << 20
 
-__all__ = ["fused_sgd_", "fused_adam_", "serves_adam", "serves_sgd", "hold_lists",
-           "CHUNK_ELEMENTS"]
+__all__ = ["fused_sgd_", "fused_adam_", "fused_adagrad_", "serves_adam", "serves_sgd",
+           "serves_adagrad", "hold_lists", "CHUNK_ELEMENTS"]
 
 
 def serves_adam(bias_correction: bool) -> bool:
@@ -61,6 +62,11 @@ def serves_adam(bias_correction: bool) -> bool:
 def serves_sgd(weight_decay: float, wd_after_momentum: bool) -> bool:
     """Whether torch's kernel computes this SGD (weight decay before the momentum only)."""
     return not (wd_after_momentum and weight_decay != 0.0)
+
+
+def serves_adagrad(weight_decay: float, adagrad_w_mode: bool) -> bool:
+    """Whether torch's kernel computes this Adagrad (an L2 weight decay only: torch.optim's)."""
+    return not (adagrad_w_mode and weight_decay != 0.0)
 
 
 def hold_lists(params: Tensors, grad_sources: Tensors, model_params: Tensors,
@@ -272,6 +278,27 @@ def fused_sgd_(params: Tensors, grads: Tensors, momentum_buffers: Tensors, model
     states = [list(momentum_buffers)] if momentum != 0.0 else []
     _stepped(_sgd_kernel(lr, momentum, dampening, weight_decay, nesterov, first_run),
              list(params), list(grads), states, [], list(model_params), grad_scale, flag)
+
+
+def fused_adagrad_(params: Tensors, grads: Tensors, sums: Tensors, model_params: Tensors,
+                   steps: Tensors, inv_scale: torch.Tensor, found_inf: torch.Tensor, lr: float,
+                   eps: float, weight_decay: float, adagrad_w_mode: bool) -> None:
+    if not params:
+        return
+    if not serves_adagrad(weight_decay, adagrad_w_mode) or not _all_fp32(params, sums):
+        _python.fused_adagrad_(params, grads, sums, model_params, steps, inv_scale, found_inf,
+                               lr, eps, weight_decay, adagrad_w_mode)
+        return
+    grad_scale, flag = _scales(inv_scale, found_inf)
+    _count_steps(steps, flag)
+
+    def kernel(params, grads, states, steps, grad_scale, found_inf):
+        torch._fused_adagrad_(params, grads, states[0], steps, lr=lr, lr_decay=0.0,
+                              weight_decay=weight_decay, eps=eps, maximize=False,
+                              grad_scale=grad_scale, found_inf=found_inf)
+
+    _stepped(kernel, list(params), list(grads), [list(sums)], list(steps), list(model_params),
+             grad_scale, flag)
 
 
 class _HeldLists:

@@ -6,7 +6,7 @@ O2 step).
   FusedSGD, FusedAdam, FusedLAMB, FusedNovoGrad, FusedAdagrad; None for any other optimizer or
   option, and then ``unfused_reason(optimizer)`` says why.
 - ``torch_kernels_reason(optimizer)``: "" when torch's own fused kernels (``torch._fused_sgd_``,
-  ``_fused_adam_``, ``_fused_adamw_``) compute its update too, the route of amp's fused step
+  ``_fused_adam_``, ``_fused_adamw_``, ``_fused_adagrad_``) compute its update too, the route of amp's fused step
   without native kernels (``multi_tensor/_torch_fused.py``); else why not.
 - ``hyper_parameters(optimizer, group)``: the group's hyper-parameters as that class takes them
   (torch's names: lr, momentum, dampening, weight_decay, nesterov; betas, eps, weight_decay,
@@ -97,16 +97,16 @@ def hyper_parameters(optimizer: torch.optim.Optimizer, group: dict):
 
 
 def torch_kernels_reason(optimizer: torch.optim.Optimizer) -> str:
-    """Why torch's own fused kernels do not compute ``optimizer``'s update (SGD and Adam/AdamW
-    only, with the options they take); "" when they do. Read at ``initialize``: a group changed
+    """Why torch's own fused kernels do not compute ``optimizer``'s update (SGD, Adam/AdamW and
+    Adagrad only, with the options they take); "" when they do. Read at ``initialize``: a group changed
     later to an option they lack is stepped by the Python reference, per call."""
     why = unfused_reason(optimizer)
     if why:
         return why
     update = _SERVED[type(optimizer)]
-    if update not in (SGDUpdate, AdamUpdate):
+    if update not in (SGDUpdate, AdamUpdate, AdagradUpdate):
         return (f"torch has no fused kernel for {_name(type(optimizer))}'s update (it has "
-                f"SGD's, Adam's and AdamW's)")
+                f"SGD's, Adam's, AdamW's and Adagrad's)")
     for index, group in enumerate(optimizer.param_groups):
         hyper = hyper_parameters(optimizer, group)
         if update is AdamUpdate and not _torch_fused.serves_adam(hyper.bias_correction):
@@ -116,4 +116,8 @@ def torch_kernels_reason(optimizer: torch.optim.Optimizer) -> str:
                                                                hyper.wd_after_momentum):
             return (f"param group {index} has wd_after_momentum=True, and torch's SGD kernel "
                     f"adds the weight decay before the momentum")
+        if update is AdagradUpdate and not _torch_fused.serves_adagrad(hyper.weight_decay,
+                                                                       hyper.adagrad_w_mode):
+            return (f"param group {index} has adagrad_w_mode=True, and torch's Adagrad kernel "
+                    f"adds the weight decay to the gradient")
     return ""
