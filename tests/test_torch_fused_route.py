@@ -194,6 +194,29 @@ def test_adagrad_matches_the_reference_across_chunks(small_chunks, grad_dtype, f
     assert all(float(s) == 2.0 for s in ours["steps"])
 
 
+def test_state_laid_out_unlike_its_parameter_is_paired_element_for_element(small_chunks):
+    """torch's kernels walk each tensor's memory in order: a parameter, gradient and state of
+    different layouts (a contiguous state loaded for a transposed parameter, a parameter with
+    gaps) would pair the wrong elements. Such tensors are staged; the step is the reference's."""
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(50, 30, generator=g)
+    gapped = torch.randn(40, 64, generator=g)[:, ::2]          # not dense
+    params = [base.t().contiguous().t(), gapped, torch.randn(1200, generator=g)]
+    ours = dict(params=params,
+                grads=[torch.randn(p.shape, generator=g).bfloat16() for p in params],
+                exp_avgs=[torch.randn(p.shape, generator=g).abs() * 0.1 for p in params],
+                exp_avg_sqs=[torch.randn(p.shape, generator=g).abs() * 0.1 for p in params],
+                model_params=[p.bfloat16() for p in params],
+                steps=[torch.full((), 4.0) for _ in params])
+    assert not ours["params"][0].is_contiguous() and ours["exp_avgs"][0].is_contiguous()
+    ref = _clone(ours)
+    for i in range(2):
+        found = torch.ones(1) if i == 1 else torch.zeros(1)
+        _adam(_torch_fused, ours, torch.tensor([0.25]), found, ADAM["adamw"])
+        _adam(_python, ref, torch.tensor([0.25]), found, ADAM["adamw"])
+    _assert_updated_alike(ours, ref)
+
+
 def test_what_torch_does_not_compute_is_the_reference_bit_for_bit():
     """Adam without bias correction and SGD's weight decay after the momentum (apex's options)
     go to the Python reference, per call."""

@@ -138,73 +138,117 @@ def _pieces(lists: List[List[torch.Tensor]], limit: int) -> List[List[Tuple[int,
 
 
 class _Chunk:
-    """One chunk's pieces: flat views of the tensors (or of slices of them) where every tensor
-    at that index is contiguous, the tensors as they are otherwise."""
-    __slots__ = ("where", "flat", "sizes", "params", "states", "steps", "models")
+    """One chunk's pieces and where each piece's fp32 gradient goes in the buffer.
 
-    def __init__(self, where, params, states, steps, model_params):
+    A piece is a slice of a contiguous tensor (flat views of the parameter, its state and its
+    model parameter), or a whole tensor as it is laid out when its state shares its strides and
+    it is dense (torch's kernels walk each tensor's memory in order, so the parameter, its
+    gradient and its state must share one layout: a mismatch pairs the wrong elements, without
+    an error). Any other tensor is staged: stepped through contiguous copies, copied back."""
+    __slots__ = ("where", "params", "states", "steps", "models", "outs", "staged")
+
+    def __init__(self, where, params, states, steps, model_params, buffer: torch.Tensor,
+                 offset: int):
         self.where = where                               # (index, part) per piece
-        self.flat = [all(t[i].is_contiguous() for t in (params, *states, model_params) if t)
-                     for i, _ in where]
-        self.sizes = [_numel(params[i], part) for (i, part), flat in zip(where, self.flat)
-                      if flat]
-        self.params = self._pieces(params)
-        self.states = [self._pieces(state) for state in states]
-        self.steps = [steps[i] for i, _ in where] if steps else []
-        self.models = self._pieces(model_params) if model_params else []
-
-    def _pieces(self, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
-        return [_piece(tensors[i], part) if flat else tensors[i]
-                for (i, part), flat in zip(self.where, self.flat)]
-
-    def grads(self, grads: List[torch.Tensor], buffer: torch.Tensor
-              ) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
-        """This chunk's pieces of ``grads`` and the fp32 tensors they are converted into:
-        consecutive views of ``buffer`` for the flat pieces, fresh tensors like the parameter
-        for the others."""
-        views = iter(buffer[:sum(self.sizes)].split_with_sizes(self.sizes))
-        pieces, outs = [], []
-        for (i, part), flat, param in zip(self.where, self.flat, self.params):
-            if flat:   # reshape: a view of a contiguous gradient, a copy of another
-                pieces.append(_piece(grads[i].reshape(-1), part))
-                outs.append(next(views))
+        self.params, self.outs, self.staged = [], [], []
+        self.states = [[] for _ in states]
+        self.models = []
+        for k, (i, part) in enumerate(where):
+            p = params[i]
+            n = _numel(p, part)
+            if part is not None:
+                self.params.append(_piece(p, part))
+                for mine, state in zip(self.states, states):
+                    mine.append(_piece(state[i], part))
+                self.outs.append(buffer[offset:offset + n])
             else:
-                pieces.append(grads[i])
-                outs.append(torch.empty_like(param, dtype=torch.float32))
-        return pieces, outs
+                self.params.append(p)
+                for mine, state in zip(self.states, states):
+                    mine.append(state[i])
+                if _dense(p) and all(state[i].stride() == p.stride() for state in states):
+                    self.outs.append(buffer.as_strided(p.shape, p.stride(), offset))
+                else:
+                    self.staged.append(k)
+                    self.outs.append(buffer[offset:offset + n].view(p.shape))
+            if model_params:
+                self.models.append(_piece(model_params[i], part) if part is not None
+                                   else model_params[i])
+            offset += n
+        self.steps = [steps[i] for i, _ in where] if steps else []
+
+    def grads(self, grads: List[torch.Tensor]) -> List[torch.Tensor]:
+        """This chunk's pieces of ``grads`` (reshape: a view of a contiguous gradient, a copy of
+        another)."""
+        return [grads[i] if part is None else grads[i].reshape(-1)[part]
+                for i, part in self.where]
+
+    def step(self, kernel, grads, grad_scale, flag) -> None:
+        torch._foreach_copy_(self.outs, self.grads(grads))
+        if not self.staged:
+            kernel(self.params, self.outs, self.states, self.steps, grad_scale, flag)
+        else:
+            originals = [self.params] + self.states
+            copies = [list(tensors) for tensors in originals]
+            for k in self.staged:
+                for tensors in copies:
+                    tensors[k] = tensors[k].contiguous()
+            kernel(copies[0], self.outs, copies[1:], self.steps, grad_scale, flag)
+            for k in self.staged:
+                for original, copy in zip(originals, copies):
+                    original[k].copy_(copy[k])
+        if self.models:
+            torch._foreach_copy_(self.models, self.params)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t`` covers its memory without gaps or overlaps, in some order of its dims."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _numel(t: torch.Tensor, part: Optional[slice]) -> int:
     return t.numel() if part is None else part.stop - part.start
 
 
-def _piece(t: torch.Tensor, part: Optional[slice]) -> torch.Tensor:
-    """A contiguous tensor flattened, sliced by ``part`` unless it is None."""
-    return t.view(-1) if part is None else t.view(-1)[part]
+def _piece(t: torch.Tensor, part: slice) -> torch.Tensor:
+    """A slice of a contiguous tensor, flattened."""
+    return t.view(-1)[part]
 
 
 class _Layout:
-    """How a call's tensors are stepped in chunks (``_pieces``), with the views built once:
-    a held list (``hold_lists``) keeps its layout between steps."""
+    """How a call's tensors are stepped in chunks (``_pieces``), the views built once (a held
+    list, ``hold_lists``, keeps its layout between steps). The fp32 buffer's memory exists
+    only during a step: its storage is resized to nothing after it, so that it does not add to
+    the forward's peak, and every view of it stays valid."""
 
     def __init__(self, params, states, steps, model_params):
         lists = [params, *states] + ([model_params] if model_params else [])
-        self.chunks = [_Chunk(where, params, states, steps, model_params)
-                       for where in _pieces(lists, CHUNK_ELEMENTS)]
-        self.size = max((sum(chunk.sizes) for chunk in self.chunks), default=0)
-        self.device = params[0].device
+        chunks = _pieces(lists, CHUNK_ELEMENTS)
+        size = max((sum(_numel(params[i], part) for i, part in chunk) for chunk in chunks),
+                   default=0)
+        self.buffer = torch.empty(size, dtype=torch.float32, device=params[0].device)
+        self.nbytes = self.buffer.untyped_storage().nbytes()
+        # Every chunk uses the buffer from its start: one chunk's gradients at a time.
+        self.chunks = [_Chunk(where, params, states, steps, model_params, self.buffer, 0)
+                       for where in chunks]
+        self.buffer.untyped_storage().resize_(0)
 
     def step(self, kernel, grads: List[torch.Tensor], grad_scale, flag) -> None:
-        """Convert each chunk's half gradients into one fp32 buffer (allocated for this call
-        only: it is not held through the forward), step the chunk, round its masters into the
-        model parameters."""
-        buffer = torch.empty(self.size, dtype=torch.float32, device=self.device)
-        for chunk in self.chunks:
-            pieces, g32 = chunk.grads(grads, buffer)
-            torch._foreach_copy_(g32, pieces)
-            kernel(chunk.params, g32, chunk.states, chunk.steps, grad_scale, flag)
-            if chunk.models:
-                torch._foreach_copy_(chunk.models, chunk.params)
+        """Convert each chunk's gradients into the fp32 buffer, step the chunk, round its
+        masters into the model parameters."""
+        storage = self.buffer.untyped_storage()
+        storage.resize_(self.nbytes)
+        try:
+            for chunk in self.chunks:
+                chunk.step(kernel, grads, grad_scale, flag)
+        finally:
+            storage.resize_(0)
 
 
 def _stepped(kernel, params: List[torch.Tensor], grads: List[torch.Tensor],
