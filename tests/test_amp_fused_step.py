@@ -546,7 +546,7 @@ def test_the_default_takes_the_fused_step_where_kernels_serve_the_device():
             assert f"optimizer 0 ({make.__name__}): fused step\n" in report + "\n"
         elif fused:
             assert (f"optimizer 0 ({make.__name__}): fused step (torch's fused kernels, half "
-                    f"gradients converted to fp32 4 MiB at a time on cpu)") in report
+                    f"gradients converted to fp32 1 MiB at a time on cpu)") in report
         else:
             assert path.why.startswith(f"the native kernels do not serve cpu ({reason}), {why}")
             assert path.why.endswith("and the Python reference of the fused step is slower "

@@ -170,7 +170,7 @@ def test_the_default_step_path_is_fused_on_either_backend(runs):
             assert line == "optimizer 0 (SGD): fused step", line
         else:
             assert line == ("optimizer 0 (SGD): fused step (torch's fused kernels, half "
-                            "gradients converted to fp32 4 MiB at a time on cpu)"), line
+                            "gradients converted to fp32 1 MiB at a time on cpu)"), line
 
 
 @pytest.mark.parametrize("path", worker.STEP_PATHS)
