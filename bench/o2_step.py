@@ -213,8 +213,10 @@ def main() -> None:
               f"{ratio(steps_peak, base.get('steps_peak_mib')):>7s}  {r['path']}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"cpu": _cpu_line(), "params": args.params, "tensors": args.tensors,
-                       "rounds": args.rounds, "results": results}, f, indent=1)
+            json.dump({"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+                       "cpu": _cpu_line(), "backend": f"{backend} ({why})",
+                       "params": args.params, "tensors": args.tensors, "rounds": args.rounds,
+                       "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":
