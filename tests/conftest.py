@@ -22,3 +22,15 @@ def cpu_with_half_units(monkeypatch):
     for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported",
                   "_is_amx_fp16_supported"):
         monkeypatch.setattr(torch.cpu, probe, lambda: True, raising=False)
+
+
+@pytest.fixture
+def python_backend(monkeypatch):
+    """The Python backend for this test (APEX_LITE_DISABLE_EXT=1), whatever the run chose: what
+    a pure install gets (torch's fused kernels carry amp's O2 step there)."""
+    from apex_lite.multi_tensor import _backend
+    monkeypatch.setenv("APEX_LITE_DISABLE_EXT", "1")
+    monkeypatch.delenv("APEX_LITE_REQUIRE_EXT", raising=False)
+    _backend.reset()
+    yield
+    _backend.reset()

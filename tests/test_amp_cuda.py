@@ -220,6 +220,8 @@ def test_cuda_fused_step_never_syncs(backend, make, monkeypatch):
     opt = makers[make](model.parameters())
     model, opt = amp.initialize(model, opt, opt_level="O2", fused_step=True, num_losses=2,
                                 sync_interval=1000, verbosity=0)
+    if backend == "python" and make != "FusedLAMB":   # torch's fused kernels carry the step
+        assert "torch's fused kernels" in opt._apex_lite_amp.path.describe()
     batches = [tuple(t.cuda() for t in batch(step)) for step in range(6)]
 
     def step(x, y):
@@ -241,3 +243,39 @@ def test_cuda_fused_step_never_syncs(backend, make, monkeypatch):
         torch.cuda.set_sync_debug_mode("default")
         _backend.reset()
     assert amp.loss_scalers()[0].steps == 6
+
+
+@pytest.mark.parametrize("name", ["Adam", "SGD"])
+def test_cuda_torch_kernels_route_trains_as_the_native_kernels(name, monkeypatch):
+    """Without native kernels (a pure install) O2's default step runs on torch's fused kernels
+    over fp32 gradient chunks: the same training as the native kernels to fp32 rounding, and a
+    skipped step (inf injected) changes nothing, bit for bit."""
+    from apex_lite.multi_tensor import _backend
+    make = ADAM if name == "Adam" else (lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9))
+    native = _train(make)[2]
+    monkeypatch.setenv("APEX_LITE_DISABLE_EXT", "1")
+    monkeypatch.delenv("APEX_LITE_REQUIRE_EXT", raising=False)
+    _backend.reset()
+    try:
+        model, opt, torch_route = _train(make)
+        _close(torch_route, native, tol=1e-5)
+        model = _cuda_net()
+        model, opt = amp.initialize(model, make(model.parameters()), opt_level="O2",
+                                    verbosity=0)
+        assert "torch's fused kernels" in opt._apex_lite_amp.path.describe()
+        x, y = (t.cuda() for t in batch(0))
+        for inject in (False, True):
+            before = [p.detach().clone() for p in model.parameters()] + \
+                [m.detach().clone() for m in opt._apex_lite_amp.masters()]
+            opt.zero_grad()
+            with amp.scale_loss(torch.nn.functional.mse_loss(model(x).float(), y),
+                                opt) as scaled:
+                scaled.backward()
+                if inject:
+                    next(model.parameters()).grad.view(-1)[-1] = float("inf")
+            opt.step()
+            after = [p.detach() for p in model.parameters()] + \
+                [m.detach() for m in opt._apex_lite_amp.masters()]
+            assert all(torch.equal(a, b) for a, b in zip(before, after)) == inject
+    finally:
+        _backend.reset()

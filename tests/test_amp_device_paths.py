@@ -74,16 +74,6 @@ class CountHostReads(CountSyncs):
         return super().__torch_function__(func, types, args, kwargs)
 
 
-@pytest.fixture
-def python_backend(monkeypatch):
-    from apex_lite.multi_tensor import _backend
-    monkeypatch.setenv("APEX_LITE_DISABLE_EXT", "1")
-    monkeypatch.delenv("APEX_LITE_REQUIRE_EXT", raising=False)
-    _backend.reset()
-    yield
-    _backend.reset()
-
-
 def _six_layers():
     torch.manual_seed(0)
     return torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(6)])

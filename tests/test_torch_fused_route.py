@@ -295,15 +295,6 @@ def test_the_fp32_temporary_is_one_chunk(monkeypatch):
 
 # ---- amp's O2 step on this route ---------------------------------------------------------------
 
-@pytest.fixture
-def python_backend(monkeypatch):
-    monkeypatch.setenv("APEX_LITE_DISABLE_EXT", "1")
-    monkeypatch.delenv("APEX_LITE_REQUIRE_EXT", raising=False)
-    _backend.reset()
-    yield
-    _backend.reset()
-
-
 OPTIMIZERS = {
     "AdamW": lambda p: torch.optim.AdamW(p, lr=1e-2, betas=(0.8, 0.99), weight_decay=0.1),
     "Adam": lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=1e-2),
