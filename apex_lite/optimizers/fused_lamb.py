@@ -103,6 +103,22 @@ def global_grad_norm(device_grads: Iterable[Tuple[torch.device, List[Optional[to
     return {device: combined.to(device) for device in norms}
 
 
+def grads_and_global_norm(updates: List[Tuple[dict, FusedUpdate]], scalars: Scalars
+                          ) -> Tuple[List[List[Optional[torch.Tensor]]],
+                                     Dict[torch.device, torch.Tensor]]:
+    """Each update's gradients (``read_grads``) and ``global_grad_norm`` over them, for the
+    LAMB optimizers' own step; a gradient the norm's op refuses is named by the update that
+    holds it (``check_grads``)."""
+    grads = [update.read_grads() for _, update in updates]
+    try:
+        norms = global_grad_norm(zip([update.device for _, update in updates], grads), scalars)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        for (_, update), update_grads in zip(updates, grads):
+            update.check_grads(update_grads, cause=exc)
+        raise
+    return grads, norms
+
+
 class FusedLAMB(FusedOptimizer):
     r"""LAMB, apex's ``FusedLAMB``: one fused op per param group and device, after one global
     gradient norm.
@@ -152,14 +168,7 @@ class FusedLAMB(FusedOptimizer):
 
     def _fused_step(self, scalars: Scalars) -> None:
         updates = self._fused_updates()
-        grads = [update.read_grads() for _, update in updates]
-        try:
-            norms = global_grad_norm(zip([update.device for _, update in updates], grads),
-                                     scalars)
-        except (RuntimeError, TypeError, ValueError) as exc:
-            for (_, update), update_grads in zip(updates, grads):
-                update.check_grads(update_grads, cause=exc)
-            raise
+        grads, norms = grads_and_global_norm(updates, scalars)
         state = watch_state(self)
         for (group, update), update_grads in zip(updates, grads):
             norm = norms.get(update.device)

@@ -28,7 +28,7 @@ from typing import Dict, List, NamedTuple, Optional
 import torch
 
 from ._optimizer import FusedOptimizer, Scalars
-from .fused_lamb import LambHyper, global_grad_norm
+from .fused_lamb import LambHyper, grads_and_global_norm
 from .update import FusedUpdate, fp32_like, state_entry, zeros32
 from .watched_state import watch_state
 
@@ -238,14 +238,7 @@ class FusedMixedPrecisionLamb(FusedOptimizer):
 
     def _fused_step(self, scalars: Scalars) -> None:
         updates = self._fused_updates()
-        grads = [update.read_grads() for _, update in updates]
-        try:
-            norms = global_grad_norm(zip([update.device for _, update in updates], grads),
-                                     scalars)
-        except (RuntimeError, TypeError, ValueError) as exc:
-            for (_, update), update_grads in zip(updates, grads):
-                update.check_grads(update_grads, cause=exc)
-            raise
+        grads, norms = grads_and_global_norm(updates, scalars)
         # Every group's count, as apex: + 1 unless the step is skipped, used by the update. New
         # tensors, put in the groups once every update has run (a refused call leaves them).
         counts = {}
