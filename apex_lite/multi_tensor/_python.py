@@ -264,6 +264,14 @@ def _bias_corrections(steps: Tensors, beta1: float, beta2: float, bias_correctio
     if not bias_correction:
         one = torch.ones((), dtype=torch.float32, device=steps[0].device)
         return [one] * len(steps), [one] * len(steps)
+    r1, r2 = _bias_correction_tensors(steps, beta1, beta2)
+    return list(r1.unbind()), list(r2.unbind())
+
+
+def _bias_correction_tensors(steps: Tensors, beta1: float, beta2: float
+                             ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``_bias_corrections`` with bias correction, as two 1-D fp32 tensors (one element per
+    step count), for updates that compute with per-tensor scalars stacked (NovoGrad)."""
     counts = torch.stack([s.reshape(()) for s in steps]).to(torch.float64) + 1.0
     # A strided view: the CPU kernel then takes its element-wise path, C's pow (the native
     # kernels' std::pow, correctly rounded), where a contiguous one takes SLEEF's vector pow,
@@ -271,7 +279,7 @@ def _bias_corrections(steps: Tensors, beta1: float, beta2: float, bias_correctio
     counts = torch.stack([counts, counts], dim=1)[:, 0]
     r1 = torch.reciprocal(1.0 - torch.pow(beta1, counts)).to(torch.float32)
     r2 = torch.reciprocal(torch.sqrt(1.0 - torch.pow(beta2, counts))).to(torch.float32)
-    return list(r1.unbind()), list(r2.unbind())
+    return r1, r2
 
 
 def _adam_updates(g: List[torch.Tensor], p: List[torch.Tensor], exp_avgs: Tensors,
@@ -432,7 +440,7 @@ def fused_novograd_(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_
     first = torch.zeros_like(counts, dtype=torch.bool) if init_zero else counts == 0
     v = torch.where(first, n, blended)
     if bias_correction:
-        r1, r2 = (torch.stack(r) for r in _bias_corrections(steps, beta1, beta2, True))
+        r1, r2 = _bias_correction_tensors(steps, beta1, beta2)
         denoms = v * r2 + eps32
     else:
         r1 = torch.ones_like(v)
