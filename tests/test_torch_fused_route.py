@@ -385,6 +385,7 @@ def test_a_skipped_step_changes_nothing(python_backend, small_chunks, name):
     before = snapshot(model, opt)
     state = copy.deepcopy(opt.state_dict())
     g = torch.Generator().manual_seed(9)
+    opt.zero_grad()     # the common step: gradients checked where they stand, not accumulated
     with amp.scale_loss(model(torch.randn(16, 40, generator=g).bfloat16()).float().sum(),
                         opt) as scaled:
         scaled.backward()
