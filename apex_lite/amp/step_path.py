@@ -71,10 +71,10 @@ def choose(optimizer: torch.optim.Optimizer, index: int, properties,
 def _without_native_kernels(optimizer: torch.optim.Optimizer) -> str:
     """Why the default (fused_step=None) stays unfused for lack of native kernels, or "".
     Where no native kernels serve a device, torch's own fused kernels carry the step for SGD,
-    Adam/AdamW and Adagrad (``kernels_for``). For the other optimizers only the Python backend's fused
-    ops are left, the kernels' reference: exact, but many passes (no host read, but temporaries
-    for every new value), slower than the optimizer's own step; fused_step=True still takes
-    them, for the memory."""
+    Adam/AdamW and Adagrad (``kernels_for``). For the other optimizers only the Python backend's
+    fused ops are left, the kernels' reference: exact, but many passes (no host read, but
+    temporaries for every new value), slower than the optimizer's own step; fused_step=True
+    still takes them, for the memory."""
     for device in _devices(optimizer):
         name, reason = backend(device)
         if name != "native":

@@ -1,11 +1,11 @@
-"""``fused_sgd_``, ``fused_adam_`` and ``fused_adagrad_`` through torch's own fused optimizer kernels: the route of
-amp's O2 fused step where apex_lite's native kernels do not serve a device (the default
-``pip install .`` builds none).
+"""``fused_sgd_``, ``fused_adam_`` and ``fused_adagrad_`` through torch's own fused optimizer
+kernels: the route of amp's O2 fused step where apex_lite's native kernels do not serve a device
+(the default ``pip install .`` builds none).
 
 torch ships the kernels that ``torch.optim.SGD/Adam/AdamW/Adagrad(fused=True)`` run, for the CPU
-and CUDA: ``torch._fused_sgd_``, ``_fused_adam_``, ``_fused_adamw_`` and ``_fused_adagrad_``. Each reads a
-parameter, its gradient and its state once and writes them once, and takes a ``grad_scale`` (the
-gradient is divided by it) and a ``found_inf`` (1.0: write nothing). What they lack for O2 is a
+and CUDA: ``torch._fused_sgd_``, ``_fused_adam_``, ``_fused_adamw_`` and ``_fused_adagrad_``. Each
+reads a parameter, its gradient and its state once and writes them once, and takes a
+``grad_scale`` (the gradient is divided by it) and a ``found_inf`` (1.0: write nothing). What they lack for O2 is a
 gradient in another dtype than the parameter: an O2 master is fp32, its gradient (the half model
 parameter's, still multiplied by the loss scale) is fp16 or bf16. So here the gradients are
 converted to fp32 in chunks of at most ``CHUNK_ELEMENTS`` (1 MiB) into one fp32 buffer, and each
@@ -262,10 +262,6 @@ def _stepped(kernel, params: List[torch.Tensor], grads: List[torch.Tensor],
     if layout is None:
         layout = _Layout(params, states, steps, model_params)
     layout.step(kernel, grads, grad_scale, flag)
-
-
-def _pick(tensors: List[torch.Tensor], indices: List[int]) -> List[torch.Tensor]:
-    return [tensors[i] for i in indices] if tensors else []
 
 
 def _adam_kernel(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,

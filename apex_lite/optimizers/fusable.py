@@ -6,8 +6,8 @@ O2 step).
   FusedSGD, FusedAdam, FusedLAMB, FusedNovoGrad, FusedAdagrad; None for any other optimizer or
   option, and then ``unfused_reason(optimizer)`` says why.
 - ``torch_kernels_reason(optimizer)``: "" when torch's own fused kernels (``torch._fused_sgd_``,
-  ``_fused_adam_``, ``_fused_adamw_``, ``_fused_adagrad_``) compute its update too, the route of amp's fused step
-  without native kernels (``multi_tensor/_torch_fused.py``); else why not.
+  ``_fused_adam_``, ``_fused_adamw_``, ``_fused_adagrad_``) compute its update too, the route of
+  amp's fused step without native kernels (``multi_tensor/_torch_fused.py``); else why not.
 - ``hyper_parameters(optimizer, group)``: the group's hyper-parameters as that class takes them
   (torch's names: lr, momentum, dampening, weight_decay, nesterov; betas, eps, weight_decay,
   AdamW / decoupled_weight_decay; torch's Adam always corrects the bias). Read it at every step:
@@ -98,8 +98,8 @@ def hyper_parameters(optimizer: torch.optim.Optimizer, group: dict):
 
 def torch_kernels_reason(optimizer: torch.optim.Optimizer) -> str:
     """Why torch's own fused kernels do not compute ``optimizer``'s update (SGD, Adam/AdamW and
-    Adagrad only, with the options they take); "" when they do. Read at ``initialize``: a group changed
-    later to an option they lack is stepped by the Python reference, per call."""
+    Adagrad only, with the options they take); "" when they do. Read at ``initialize``: a group
+    changed later to an option they lack is stepped by the Python reference, per call."""
     why = unfused_reason(optimizer)
     if why:
         return why
