@@ -30,8 +30,9 @@ import torch
 import torch.utils._python_dispatch
 from torch.optim.optimizer import required
 
+import apex_lite.optimizers._optimizer as optimizer_module
 import apex_lite.optimizers.update as update_module
-from apex_lite.multi_tensor import _backend
+from apex_lite.multi_tensor import _backend, _torch_fused
 from apex_lite.optimizers import (AdamHyper, AdamUpdate, FusedAdam, FusedLAMB, FusedSGD,
                                   FusedUpdate, SGDHyper, SGDUpdate, unit_scalars)
 from apex_lite.optimizers import fusable
@@ -688,6 +689,11 @@ def count_op_calls(monkeypatch):
             counting[device] = _CountingOps(_backend.ops_for(device))
         return counting[device]
     monkeypatch.setattr(update_module, "ops_for", ops_for)
+    # Without native kernels FusedSGD/FusedAdam/FusedAdagrad hand their updates torch's kernels'
+    # module (multi_tensor/_torch_fused.py) when they are built: counted as the CPU's ops.
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(optimizer_module, "_torch_fused",
+                        _CountingOps(_torch_fused, ops_for(cpu).calls))
     return counting
 
 
@@ -1340,7 +1346,10 @@ def test_update_with_masters_half_grads_and_model_params(half, torch_cls, kwargs
     model = copies(masters, half)
     opt = torch_cls(masters, **kwargs)
     assert fusable.unfused_reason(opt) == ""
-    update = fusable.update_class(opt)(masters, grad_sources=model, model_params=model)
+    # The kernels the plain optimizer steps with (torch's without native ones), so that the two
+    # runs can be compared bit for bit.
+    update = fusable.update_class(opt)(masters, grad_sources=model, model_params=model,
+                                       ops=_standalone_kernels())
     plain = copies(masters)
     plain_opt = (FusedSGD if torch_cls is torch.optim.SGD else FusedAdam)(
         plain, **dict(kwargs, **({} if torch_cls is torch.optim.SGD else
@@ -1376,12 +1385,19 @@ def test_update_with_masters_half_grads_and_model_params(half, torch_cls, kwargs
     assert_bitwise(masters, reference)
 
 
+def _standalone_kernels():
+    """The ops FusedSGD/FusedAdam/FusedAdagrad step fp32 CPU parameters with: the backend's
+    (None) where the native kernels serve the CPU, torch's fused kernels' module otherwise."""
+    return None if _backend.backend("cpu")[0] == "native" else _torch_fused
+
+
 def test_update_takes_explicit_gradients():
     """amp passes materialised fp32 master gradients instead of reading the model's."""
     masters = make_params(SHAPES[:2])
     plain = copies(masters)
     state, plain_opt = {}, FusedAdam(plain, lr=1e-2)
-    update = AdamUpdate(masters, grad_sources=copies(masters, torch.bfloat16))
+    update = AdamUpdate(masters, grad_sources=copies(masters, torch.bfloat16),
+                        ops=_standalone_kernels())
     grads = grads_for(0, [p.shape for p in masters])
     update(state, *unit_scalars(torch.device("cpu")),
            fusable.hyper_parameters(plain_opt, plain_opt.param_groups[0]), grads=grads)

@@ -408,3 +408,36 @@ def test_o2_holds_fp32_trainings_bytes_per_parameter(python_backend):
     # half param 2 + half grad 2 + fp32 master 4 + Adam state 8 (+ a 4-byte step per tensor),
     # as the native fused step; the unfused step holds 4 more (fp32 master gradients).
     assert 16.0 <= amp.report().bytes_per_parameter < 16.01
+
+
+STANDALONE = {
+    "FusedAdam": (lambda p: FusedAdam(p, lr=1e-2, weight_decay=0.1),
+                  lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1)),
+    "FusedSGD": (lambda p: FusedSGD(p, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
+                 lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True,
+                                           weight_decay=0.01)),
+    "FusedAdagrad": (lambda p: FusedAdagrad(p, lr=0.1, weight_decay=0.01),
+                     lambda p: torch.optim.Adagrad(p, lr=0.1, weight_decay=0.01)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STANDALONE))
+def test_standalone_optimizers_step_fp32_parameters_on_torchs_kernels(python_backend, name):
+    """Without native kernels FusedSGD, FusedAdam and FusedAdagrad step fp32 parameters with
+    torch's fused kernels (not the Python reference's many passes): torch's own optimizer's
+    update, to fp32 rounding; half parameters still go to the reference."""
+    ours_make, torch_make = STANDALONE[name]
+    g = torch.Generator().manual_seed(5)
+    start = [torch.randn(shape, generator=g) for shape in ((300, 7), (1100,), (5,))]
+    ours = [torch.nn.Parameter(t.clone()) for t in start]
+    theirs = [torch.nn.Parameter(t.clone()) for t in start]
+    ours_opt, torch_opt = ours_make(ours), torch_make(theirs)
+    for _ in range(4):
+        grads = [torch.randn(t.shape, generator=g) for t in start]
+        for params, opt in ((ours, ours_opt), (theirs, torch_opt)):
+            for p, grad in zip(params, grads):
+                p.grad = grad.clone()
+            opt.step()
+    assert all(update.ops is _torch_fused for _, update in ours_opt._fused_updates())
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

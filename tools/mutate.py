@@ -244,6 +244,11 @@ MUTATIONS: List[Mutation] = [
       "            if not torch_why:\n                return \"\"\n",
       "            if False:\n                return \"\"\n",
       ["test_torch_fused_route.py"], backends=("python",)),
+    M("standalone-optimizers-not-on-torch-kernels",
+      "ops = _torch_fused if self._torch_kernels and",
+      "ops = None if self._torch_kernels and",
+      ["test_torch_fused_route.py::"
+       "test_standalone_optimizers_step_fp32_parameters_on_torchs_kernels"]),
     M("python-nonfinite-check-misses-minus-inf",
       "    spans = torch.stack(highs).double() - torch.stack(lows).double()\n",
       "    spans = torch.stack(highs).double()\n",

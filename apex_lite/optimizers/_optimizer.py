@@ -9,6 +9,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from ..multi_tensor import _torch_fused
+from ..multi_tensor._backend import backend
 from .update import STEPPED_DTYPES, FusedUpdate, group_by_device, unit_scalars
 from .watched_state import watch_params, watch_state
 
@@ -32,6 +34,9 @@ class FusedOptimizer(torch.optim.Optimizer):
     # instead of unscaling: the ops unscale and skip themselves, half gradients included.
     _step_supports_amp_scaling = True
     _update_class = FusedUpdate
+    # Whether torch's own fused kernels compute this optimizer's update where no native kernels
+    # serve a device (multi_tensor/_torch_fused.py): fp32 parameters are then stepped by them.
+    _torch_kernels = False
     # Instance attributes that pickling and deepcopy keep (torch's __getstate__ keeps only
     # defaults, state and param_groups).
     _kept_attributes: Tuple[str, ...] = ("set_grad_none",)
@@ -116,8 +121,11 @@ class FusedOptimizer(torch.optim.Optimizer):
                     label = f"{type(self).__name__} param group {index}"
                     if len(by_device) > 1:
                         label += f" on {device}"
+                    ops = _torch_fused if self._torch_kernels and \
+                        backend(device)[0] != "native" else None
+                    extra = {} if ops is None else {"ops": ops}
                     updates.append((group, self._update_class([params[i] for i in indices],
-                                                              label=label)))
+                                                              label=label, **extra)))
             self._updates = updates
             # Taken after watch_params, which may have made a group's list a new one.
             self._updates_signature = self._params_signature()

@@ -113,6 +113,7 @@ class FusedAdagrad(FusedOptimizer):
         super().__init__(params, defaults, set_grad_none)
 
     _update_class = AdagradUpdate
+    _torch_kernels = True
 
     @staticmethod
     def _check_lr_decay(lr_decay, where: str) -> None:

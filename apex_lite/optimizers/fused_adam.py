@@ -105,6 +105,7 @@ class FusedAdam(FusedOptimizer):
         super().__init__(params, defaults, set_grad_none)
 
     _update_class = AdamUpdate
+    _torch_kernels = True
 
     def _hyper(self, group: dict) -> AdamHyper:
         return AdamHyper.from_group(group)

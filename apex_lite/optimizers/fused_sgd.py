@@ -177,6 +177,7 @@ class FusedSGD(FusedOptimizer):
         super().__init__(params, defaults, set_grad_none)
 
     _update_class = SGDUpdate
+    _torch_kernels = True
     _kept_attributes = FusedOptimizer._kept_attributes + ("materialize_master_grads",)
 
     def _hyper(self, group: dict) -> SGDHyper:
