@@ -253,14 +253,13 @@ class _Layout:
             storage.resize_(0)
 
 
-def _stepped(kernel, params: List[torch.Tensor], grads: List[torch.Tensor],
-             states: List[List[torch.Tensor]], steps: List[torch.Tensor],
-             model_params: List[torch.Tensor], grad_scale: torch.Tensor,
-             flag: torch.Tensor, layout: Optional[_Layout] = None) -> None:
-    """``kernel(params, grads, states, steps, grad_scale, flag)`` chunk by chunk (``layout``,
-    built here unless given), the masters rounded into ``model_params``."""
-    if layout is None:
-        layout = _Layout(params, states, steps, model_params)
+def _step(kernel, grads: List[torch.Tensor], inv_scale: torch.Tensor, found_inf: torch.Tensor,
+          steps: List[torch.Tensor], layout: _Layout) -> None:
+    """One step of ``kernel`` over ``layout``'s chunks: the scales as torch's kernels take them,
+    the step counts advanced unless skipped, nothing read on the host. The list path and the
+    held lists both step through here."""
+    grad_scale, flag = _scales(inv_scale, found_inf)
+    _count_steps(steps, flag)
     layout.step(kernel, grads, grad_scale, flag)
 
 
@@ -297,11 +296,9 @@ def fused_adam_(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs:
                             inv_scale, found_inf, lr, beta1, beta2, eps, weight_decay,
                             adam_w_mode, bias_correction)
         return
-    grad_scale, flag = _scales(inv_scale, found_inf)
-    _count_steps(steps, flag)
-    _stepped(_adam_kernel(lr, beta1, beta2, eps, weight_decay, adam_w_mode), list(params),
-             list(grads), [list(exp_avgs), list(exp_avg_sqs)], list(steps), list(model_params),
-             grad_scale, flag)
+    states, steps = [list(exp_avgs), list(exp_avg_sqs)], list(steps)
+    _step(_adam_kernel(lr, beta1, beta2, eps, weight_decay, adam_w_mode), list(grads), inv_scale,
+          found_inf, steps, _Layout(list(params), states, steps, list(model_params)))
 
 
 def fused_sgd_(params: Tensors, grads: Tensors, momentum_buffers: Tensors, model_params: Tensors,
@@ -316,10 +313,9 @@ def fused_sgd_(params: Tensors, grads: Tensors, momentum_buffers: Tensors, model
                            lr, momentum, dampening, weight_decay, nesterov, wd_after_momentum,
                            first_run)
         return
-    grad_scale, flag = _scales(inv_scale, found_inf)
     states = [list(momentum_buffers)] if momentum != 0.0 else []
-    _stepped(_sgd_kernel(lr, momentum, dampening, weight_decay, nesterov, first_run),
-             list(params), list(grads), states, [], list(model_params), grad_scale, flag)
+    _step(_sgd_kernel(lr, momentum, dampening, weight_decay, nesterov, first_run), list(grads),
+          inv_scale, found_inf, [], _Layout(list(params), states, [], list(model_params)))
 
 
 def fused_adagrad_(params: Tensors, grads: Tensors, sums: Tensors, model_params: Tensors,
@@ -331,16 +327,14 @@ def fused_adagrad_(params: Tensors, grads: Tensors, sums: Tensors, model_params:
         _python.fused_adagrad_(params, grads, sums, model_params, steps, inv_scale, found_inf,
                                lr, eps, weight_decay, adagrad_w_mode)
         return
-    grad_scale, flag = _scales(inv_scale, found_inf)
-    _count_steps(steps, flag)
-
     def kernel(params, grads, states, steps, grad_scale, found_inf):
         torch._fused_adagrad_(params, grads, states[0], steps, lr=lr, lr_decay=0.0,
                               weight_decay=weight_decay, eps=eps, maximize=False,
                               grad_scale=grad_scale, found_inf=found_inf)
 
-    _stepped(kernel, list(params), list(grads), [list(sums)], list(steps), list(model_params),
-             grad_scale, flag)
+    states, steps = [list(sums)], list(steps)
+    _step(kernel, list(grads), inv_scale, found_inf, steps,
+          _Layout(list(params), states, steps, list(model_params)))
 
 
 class _HeldLists:
@@ -362,11 +356,9 @@ class _HeldLists:
         return grads if len(dtypes) == 1 and None not in dtypes else None
 
     def _step(self, kernel, grads, inv_scale, found_inf, states, steps) -> None:
-        grad_scale, flag = _scales(inv_scale, found_inf)
-        _count_steps(steps, flag)
         if self._layout is None:
             self._layout = _Layout(self.params, states, steps, self.model_params)
-        self._layout.step(kernel, grads, grad_scale, flag)
+        _step(kernel, grads, inv_scale, found_inf, steps, self._layout)
 
     def fused_adam_(self, inv_scale, found_inf, lr, beta1, beta2, eps, weight_decay,
                     adam_w_mode, bias_correction) -> bool:
