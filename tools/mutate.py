@@ -245,10 +245,16 @@ MUTATIONS: List[Mutation] = [
       "            if False:\n                return \"\"\n",
       ["test_torch_fused_route.py"], backends=("python",)),
     M("standalone-optimizers-not-on-torch-kernels",
-      "ops = _torch_fused if self._torch_kernels and",
-      "ops = None if self._torch_kernels and",
+      "ops = _torch_fused if self._update_class.torch_kernels and",
+      "ops = None if self._update_class.torch_kernels and",
       ["test_torch_fused_route.py::"
        "test_standalone_optimizers_step_fp32_parameters_on_torchs_kernels"]),
+    M("torch-route-takes-adagrad-w-mode",
+      "        if not _torch_fused.serves_adagrad(hyper.weight_decay, hyper.adagrad_w_mode):\n",
+      "        if False:\n",
+      ["test_amp_fused_step.py::"
+       "test_the_default_takes_the_fused_step_where_kernels_serve_the_device"],
+      backends=("python",)),
     M("python-nonfinite-check-misses-minus-inf",
       "    spans = torch.stack(highs).double() - torch.stack(lows).double()\n",
       "    spans = torch.stack(highs).double()\n",

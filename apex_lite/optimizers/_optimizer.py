@@ -33,10 +33,10 @@ class FusedOptimizer(torch.optim.Optimizer):
     # GradScaler hands its scale and found_inf over (``grad_scale``, ``found_inf`` attributes)
     # instead of unscaling: the ops unscale and skip themselves, half gradients included.
     _step_supports_amp_scaling = True
+    # The update of one param group on one device. Where no native kernels serve a device and
+    # torch's own fused kernels compute it (``torch_kernels``), fp32 parameters are stepped by
+    # them (multi_tensor/_torch_fused.py).
     _update_class = FusedUpdate
-    # Whether torch's own fused kernels compute this optimizer's update where no native kernels
-    # serve a device (multi_tensor/_torch_fused.py): fp32 parameters are then stepped by them.
-    _torch_kernels = False
     # Instance attributes that pickling and deepcopy keep (torch's __getstate__ keeps only
     # defaults, state and param_groups).
     _kept_attributes: Tuple[str, ...] = ("set_grad_none",)
@@ -121,7 +121,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                     label = f"{type(self).__name__} param group {index}"
                     if len(by_device) > 1:
                         label += f" on {device}"
-                    ops = _torch_fused if self._torch_kernels and \
+                    ops = _torch_fused if self._update_class.torch_kernels and \
                         backend(device)[0] != "native" else None
                     extra = {} if ops is None else {"ops": ops}
                     updates.append((group, self._update_class([params[i] for i in indices],

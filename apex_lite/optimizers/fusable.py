@@ -28,7 +28,6 @@ from .fused_lamb import FusedLAMB, LambHyper, LambUpdate
 from .fused_novograd import FusedNovoGrad, NovoGradHyper, NovoGradUpdate
 from .fused_sgd import FusedSGD, SGDHyper, SGDUpdate
 from .update import FusedUpdate
-from ..multi_tensor import _torch_fused
 
 __all__ = ["update_class", "unfused_reason", "hyper_parameters", "torch_kernels_reason"]
 
@@ -97,27 +96,19 @@ def hyper_parameters(optimizer: torch.optim.Optimizer, group: dict):
 
 
 def torch_kernels_reason(optimizer: torch.optim.Optimizer) -> str:
-    """Why torch's own fused kernels do not compute ``optimizer``'s update (SGD, Adam/AdamW and
-    Adagrad only, with the options they take); "" when they do. Read at ``initialize``: a group
-    changed later to an option they lack is stepped by the Python reference, per call."""
+    """Why torch's own fused kernels do not compute ``optimizer``'s update (the update class's
+    ``torch_kernels`` and ``torch_kernels_reason`` say: SGD, Adam/AdamW and Adagrad, with the
+    options they take); "" when they do. Read at ``initialize``: a group changed later to an
+    option they lack is stepped by the Python reference, per call."""
     why = unfused_reason(optimizer)
     if why:
         return why
     update = _SERVED[type(optimizer)]
-    if update not in (SGDUpdate, AdamUpdate, AdagradUpdate):
+    if not update.torch_kernels:
         return (f"torch has no fused kernel for {_name(type(optimizer))}'s update (it has "
                 f"SGD's, Adam's, AdamW's and Adagrad's)")
     for index, group in enumerate(optimizer.param_groups):
-        hyper = hyper_parameters(optimizer, group)
-        if update is AdamUpdate and not _torch_fused.serves_adam(hyper.bias_correction):
-            return (f"param group {index} has bias_correction=False, and torch's Adam kernels "
-                    f"always correct the bias")
-        if update is SGDUpdate and not _torch_fused.serves_sgd(hyper.weight_decay,
-                                                               hyper.wd_after_momentum):
-            return (f"param group {index} has wd_after_momentum=True, and torch's SGD kernel "
-                    f"adds the weight decay before the momentum")
-        if update is AdagradUpdate and not _torch_fused.serves_adagrad(hyper.weight_decay,
-                                                                       hyper.adagrad_w_mode):
-            return (f"param group {index} has adagrad_w_mode=True, and torch's Adagrad kernel "
-                    f"adds the weight decay to the gradient")
+        why = update.torch_kernels_reason(hyper_parameters(optimizer, group))
+        if why:
+            return f"param group {index} has {why}"
     return ""

@@ -16,6 +16,7 @@ from typing import List, NamedTuple, Tuple
 
 import torch
 
+from ..multi_tensor import _torch_fused
 from ._optimizer import FusedOptimizer
 from .update import FusedUpdate, fp32_like, state_entry, step_tensor
 
@@ -66,6 +67,14 @@ class AdagradUpdate(FusedUpdate):
     """One ``fused_adagrad_`` call for one param group on one device."""
 
     kind = "adagrad"
+    torch_kernels = True
+
+    @classmethod
+    def torch_kernels_reason(cls, hyper: AdagradHyper) -> str:
+        if not _torch_fused.serves_adagrad(hyper.weight_decay, hyper.adagrad_w_mode):
+            return ("adagrad_w_mode=True, and torch's Adagrad kernel adds the weight decay to "
+                    "the gradient")
+        return ""
 
     def _state_lists(self, params: List[torch.Tensor], state, hyper: AdagradHyper) -> tuple:
         return adagrad_lists(self, params, state, hyper.initial_accumulator_value)
@@ -113,7 +122,6 @@ class FusedAdagrad(FusedOptimizer):
         super().__init__(params, defaults, set_grad_none)
 
     _update_class = AdagradUpdate
-    _torch_kernels = True
 
     @staticmethod
     def _check_lr_decay(lr_decay, where: str) -> None:

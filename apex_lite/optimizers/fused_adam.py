@@ -16,6 +16,7 @@ from typing import List, NamedTuple
 
 import torch
 
+from ..multi_tensor import _torch_fused
 from ._optimizer import FusedOptimizer
 from .update import FusedUpdate, moment_lists
 
@@ -49,6 +50,13 @@ class AdamUpdate(FusedUpdate):
 
     kind = "adam"
     held_step = "fused_adam_"
+    torch_kernels = True
+
+    @classmethod
+    def torch_kernels_reason(cls, hyper: AdamHyper) -> str:
+        if not _torch_fused.serves_adam(hyper.bias_correction):
+            return "bias_correction=False, and torch's Adam kernels always correct the bias"
+        return ""
 
     def _state_lists(self, params: List[torch.Tensor], state, hyper: AdamHyper) -> tuple:
         return moment_lists(self, params, state)
@@ -105,7 +113,6 @@ class FusedAdam(FusedOptimizer):
         super().__init__(params, defaults, set_grad_none)
 
     _update_class = AdamUpdate
-    _torch_kernels = True
 
     def _hyper(self, group: dict) -> AdamHyper:
         return AdamHyper.from_group(group)

@@ -25,6 +25,7 @@ from typing import Dict, List, NamedTuple, Optional
 import torch
 from torch.optim.optimizer import required
 
+from ..multi_tensor import _torch_fused
 from ._optimizer import FusedOptimizer
 from .update import FusedUpdate, is_unit_found_inf, fp32_like, state_entry, zeros32
 
@@ -54,6 +55,14 @@ class SGDUpdate(FusedUpdate):
 
     kind = "sgd"
     held_step = "fused_sgd_"
+    torch_kernels = True
+
+    @classmethod
+    def torch_kernels_reason(cls, hyper: SGDHyper) -> str:
+        if not _torch_fused.serves_sgd(hyper.weight_decay, hyper.wd_after_momentum):
+            return ("wd_after_momentum=True, and torch's SGD kernel adds the weight decay "
+                    "before the momentum")
+        return ""
 
     def __init__(self, *args, **kwargs):
         # id(param) -> a copy of the found_inf of the step that gave its buffer its first
@@ -177,7 +186,6 @@ class FusedSGD(FusedOptimizer):
         super().__init__(params, defaults, set_grad_none)
 
     _update_class = SGDUpdate
-    _torch_kernels = True
     _kept_attributes = FusedOptimizer._kept_attributes + ("materialize_master_grads",)
 
     def _hyper(self, group: dict) -> SGDHyper:

@@ -136,6 +136,11 @@ class FusedUpdate:
     # cannot compute from FSDP2's shards: such an update refuses DTensor parameters.
     needs_whole_parameters = False
     whole_norm = ""      # what the whole norm is for, in that update's refusal
+    # Whether torch's own fused kernels (``torch._fused_sgd_``, ``_fused_adam_``,
+    # ``_fused_adamw_``, ``_fused_adagrad_``) compute this update: multi_tensor/_torch_fused.py
+    # drives them where no native kernels serve a device (amp's O2 step, FusedOptimizer's fp32
+    # parameters). ``torch_kernels_reason`` says for which hyper-parameters.
+    torch_kernels = False
 
     def __init__(self, params: Sequence[torch.Tensor],
                  grad_sources: Optional[Sequence[torch.Tensor]] = None,
@@ -165,6 +170,13 @@ class FusedUpdate:
         self._plan: Optional[_Plan] = None
         self._plan_state: Optional[dict] = None
         self._plan_key: Optional[tuple] = None
+
+    @classmethod
+    def torch_kernels_reason(cls, hyper) -> str:
+        """Why torch's fused kernels do not compute this update with ``hyper`` (one param
+        group's); "" when they do. Where they are used anyway, ``_torch_fused`` hands such a
+        call to the Python reference."""
+        return "" if cls.torch_kernels else f"torch has no fused kernel for the {cls.kind} update"
 
     def _check_lists(self) -> None:
         n = len(self.params)
