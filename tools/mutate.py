@@ -16,7 +16,8 @@ mutation is
 
 Before the mutations, the named tests are run once unmutated: they must pass, or a kill means
 nothing. Not part of CI (each mutation costs a pytest start, several seconds); run it after
-changing tests or the code they cover:
+changing tests or the code they cover. CI checks only that the list still applies
+(tests/test_mutation_list.py: each text found once, each named test present):
 
     python tools/mutate.py                  # all mutations, the backends each one names
     python tools/mutate.py -k lamb          # only those whose name contains "lamb"
@@ -57,13 +58,13 @@ M = Mutation
 MUTATIONS: List[Mutation] = [
     # issue 34, row 1: O1 always under autocast, whatever patch_torch_functions says.
     M("o1-ignores-patch_torch_functions",
-      "        elif props.patch_torch_functions:\n",
-      "        elif props.opt_level == \"O1\":\n",
+      "    elif props.patch_torch_functions:\n",
+      "    elif props.opt_level == \"O1\":\n",
       ["test_amp_initialize.py::test_overrides_take_effect"]),
     M("cast_model_outputs-ignored-at-o1",
       "output_dtype=props.cast_model_outputs or torch.float32)\n"
-      "        elif props.cast_model_outputs",
-      "output_dtype=torch.float32)\n        elif props.cast_model_outputs",
+      "    elif props.cast_model_outputs",
+      "output_dtype=torch.float32)\n    elif props.cast_model_outputs",
       ["test_amp_initialize.py::test_overrides_take_effect"]),
     M("patch_torch_functions-override-dropped",
       "patch_torch_functions=(level.patch_torch_functions if patch_torch_functions is None\n"
@@ -124,7 +125,8 @@ MUTATIONS: List[Mutation] = [
       ["test_apex_multi_tensor.py::test_adam"], k="cpu and fp16"),
     # row 4: the ported apex tests' "option" cases use their options.
     M("adam-betas-ignored",
-      'beta1, beta2 = group["betas"]', 'beta1, beta2 = 0.9, 0.999',
+      'beta1, beta2 = group["betas"]\n        adam_w_mode =',
+      'beta1, beta2 = 0.9, 0.999\n        adam_w_mode =',
       ["test_fused_optimizers.py::test_apex_fused_optimizer_against_torch"], k="adam and option"),
     M("sgd-dampening-and-weight-decay-ignored",
       'float(group["dampening"]),\n                   float(group["weight_decay"])',
@@ -160,16 +162,16 @@ MUTATIONS: List[Mutation] = [
       ["test_multi_tensor.py::test_jit_build_compiles_every_source_with_setup_py_flags"]),
     # row 9: gradient accumulation against plain torch (O2 with delay_unscale exact, not 2e-2).
     M("unscale-off-by-0.4-percent",
-      "        inv_scale = scale.inv\n        accumulate = self.grad_state == UNSCALED",
-      "        inv_scale = scale.inv * 1.004\n        accumulate = self.grad_state == UNSCALED",
+      "self.weights.unscale(stash, scale.inv, self.grad_state == UNSCALED,",
+      "self.weights.unscale(stash, scale.inv * 1.004, self.grad_state == UNSCALED,",
       ["test_amp_scaling.py::test_gradient_accumulation"], k="True-O2-unfused"),
     M("accumulation-keeps-only-the-last-micro-batch",
-      "        accumulate = self.grad_state == UNSCALED",
-      "        accumulate = False",
+      "scale.inv, self.grad_state == UNSCALED, history_clean,",
+      "scale.inv, False, history_clean,",
       ["test_amp_scaling.py::test_gradient_accumulation"], k="False-O2-unfused"),
     M("accumulated-gradients-not-unscaled",
-      "scale if isinstance(scale, torch.Tensor) else float(scale), 1.0, found_inf)",
-      "1.0, 1.0, found_inf)",
+      "fused_accumulate(acc_new, acc_into, inv_scale, flag)",
+      "fused_accumulate(acc_new, acc_into, 1.0, flag)",
       ["test_amp_scaling.py::test_gradient_accumulation"], k="O1"),
     # row 10: what was untested.
     M("register_promote_function-registers-half",
@@ -195,15 +197,15 @@ MUTATIONS: List[Mutation] = [
       "        sys.argv = argv\n        runpy.run_module(",
       ["test_apex_alias.py::test_the_command_runs_a_module_with_the_alias"]),
     M("o2-masters-ignore-half-loads",
-      "                elif not torch.equal(master.to(model_param.dtype), model_param):\n"
-      "                    master.copy_(model_param)",
-      "                elif False:\n                    master.copy_(model_param)",
+      "                elif not torch.equal(values.tensor.to(param.dtype), param):\n"
+      "                    values.tensor.copy_(param)",
+      "                elif False:\n                    values.tensor.copy_(param)",
       ["test_amp_checkpoint.py::"
        "test_loading_half_weights_into_an_o2_model_moves_the_masters_to_them"]),
     M("o2-masters-replaced-by-their-own-rounding",
-      "                elif not torch.equal(master.to(model_param.dtype), model_param):\n"
-      "                    master.copy_(model_param)",
-      "                else:\n                    master.copy_(model_param)",
+      "                elif not torch.equal(values.tensor.to(param.dtype), param):\n"
+      "                    values.tensor.copy_(param)",
+      "                else:\n                    values.tensor.copy_(param)",
       ["test_amp_checkpoint.py::"
        "test_loading_half_weights_into_an_o2_model_moves_the_masters_to_them"]),
     # issue 29: O2's step on torch's fused kernels (multi_tensor/_torch_fused.py).
