@@ -44,6 +44,7 @@ SCRIPTS = {
     "train_smoke": ["bench/train.py", "--smoke", "--threads", "1"],   # + --json --plot, per run
     "optimizers": ["bench/optimizers.py", "--smoke", "--threads", "1"],
     "o2_step": ["bench/o2_step.py", "--smoke", "--threads", "1"],
+    "o2_route_floor": ["bench/o2_route_floor.py", "--smoke", "--threads", "1"],
     "fsdp_bench": ["bench/fsdp.py", "--smoke", "--variants", "torch mp,apex_lite O2"],
 }
 # A stand-in for matplotlib that fails to import, put first on these scripts' path.
@@ -304,6 +305,23 @@ def test_o2_step_smoke(runs):
     assert re.search(r"^O2 AdamW\s.* " + re.escape(_default_o2_step()), stdout, re.MULTILINE)
     assert re.search(r"^O2 SGD unfused\s.*unfused step \(fused_step=False\)$", stdout,
                      re.MULTILINE)
+
+
+def test_o2_route_floor_smoke(runs):
+    """The route's floor: fp32, the bare route with its breakdown, amp's O2 (the pure install's
+    fused step whatever is built: the script disables the native kernels)."""
+    stdout, _ = _ok(runs, "o2_route_floor")
+    assert re.search(r"^cpu: .*flags ", stdout, re.MULTILINE)
+    fp32 = re.search(r"^fp32 AdamW\(fused\): .* = ([0-9.]+) ms$", stdout, re.MULTILINE)
+    route = re.search(r"^route, no amp: .* = ([0-9.]+) ms: ([0-9.]+)x fp32 \(([0-9.]+)x "
+                      r"without the check\)$", stdout, re.MULTILINE)
+    parts = re.search(r"^its step, by pass: +counts ([0-9.]+) \+ conversion ([0-9.]+) \+ kernel "
+                      r"([0-9.]+) \+ rounding ([0-9.]+) ", stdout, re.MULTILINE)
+    amp_row = re.search(r"^amp O2: .*x the route \(fused step \(torch's fused kernels, ", stdout,
+                        re.MULTILINE)
+    assert fp32 and route and parts and amp_row, stdout
+    assert float(fp32.group(1)) > 0 and float(route.group(2)) > 0
+    assert all(float(value) > 0 for value in parts.groups())
 
 
 def test_fsdp_bench_smoke(runs):
