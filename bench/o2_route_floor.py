@@ -43,23 +43,10 @@ import torch  # noqa: E402
 
 from apex_lite import amp  # noqa: E402
 from apex_lite.multi_tensor import _python, _torch_fused  # noqa: E402
+from o2_step import cpu_line  # noqa: E402  (bench/ is on the path of a script run from it)
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-4, (0.9, 0.999), 1e-8, 0.01
 PARTS = ("counts", "conversion", "kernel", "rounding")
-
-
-def _cpu_line() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            text = f.read()
-        model = next((l.split(":", 1)[1].strip() for l in text.splitlines()
-                      if l.startswith("model name")), "?")
-        flags = [flag for flag in ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-                 if f" {flag}" in text]
-    except OSError:
-        model, flags = "?", []
-    return (f"{model}; flags {' '.join(flags) or '-'}; torch {torch.__version__}, "
-            f"{torch.get_num_threads()} threads")
 
 
 def _forward(tensors) -> torch.Tensor:
@@ -236,13 +223,13 @@ def main(argv=None) -> int:
     print(f"bench/o2_route_floor.py: {args.params:,} parameters in {args.tensors} tensors, "
           f"{args.dtype} at O2, the variants interleaved in one process, medians of "
           f"{args.steps} steps")
-    print(f"cpu: {_cpu_line()}")
+    print(f"cpu: {cpu_line()}")
     for line in report(result):
         print(line)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-                       "cpu": _cpu_line(), "params": args.params, "tensors": args.tensors,
+                       "cpu": cpu_line(), "params": args.params, "tensors": args.tensors,
                        "dtype": args.dtype, "steps": args.steps, "ms": result}, f, indent=1)
     return 0
 

@@ -72,7 +72,8 @@ def _reset_peak() -> bool:
         return False
 
 
-def _cpu_line() -> str:
+def cpu_line() -> str:
+    """The CPU, its half-precision flags, torch and threads (bench/o2_route_floor.py too)."""
     try:
         with open("/proc/cpuinfo") as f:
             text = f.read()
@@ -177,7 +178,7 @@ def main() -> None:
     print(f"bench/o2_step.py: {args.params:,} parameters in {args.tensors} tensors, backward + "
           f"step, median of {args.steps} steps, each variant in its own process, median of "
           f"{args.rounds} rounds")
-    print(f"cpu: {_cpu_line()}")
+    print(f"cpu: {cpu_line()}")
     backend, why = _backend.backend(torch.device("cpu"))
     print(f"multi_tensor backend: {backend} ({why})")
     names = list(dict.fromkeys(args.variants.split(",")))
@@ -214,7 +215,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-                       "cpu": _cpu_line(), "backend": f"{backend} ({why})",
+                       "cpu": cpu_line(), "backend": f"{backend} ({why})",
                        "params": args.params, "tensors": args.tensors, "rounds": args.rounds,
                        "results": results}, f, indent=1)
 
