@@ -247,8 +247,8 @@ MUTATIONS: List[Mutation] = [
       "            if False:\n                return \"\"\n",
       ["test_torch_fused_route.py"], backends=("python",)),
     M("standalone-optimizers-not-on-torch-kernels",
-      "ops = _torch_fused if self._update_class.torch_kernels and",
-      "ops = None if self._update_class.torch_kernels and",
+      "ops = _torch_fused if self._torch_kernels() and",
+      "ops = None if self._torch_kernels() and",
       ["test_torch_fused_route.py::"
        "test_standalone_optimizers_step_fp32_parameters_on_torchs_kernels"]),
     M("torch-route-takes-adagrad-w-mode",

@@ -121,7 +121,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                     label = f"{type(self).__name__} param group {index}"
                     if len(by_device) > 1:
                         label += f" on {device}"
-                    ops = _torch_fused if self._update_class.torch_kernels and \
+                    ops = _torch_fused if self._torch_kernels() and \
                         backend(device)[0] != "native" else None
                     extra = {} if ops is None else {"ops": ops}
                     updates.append((group, self._update_class([params[i] for i in indices],
@@ -130,6 +130,13 @@ class FusedOptimizer(torch.optim.Optimizer):
             # Taken after watch_params, which may have made a group's list a new one.
             self._updates_signature = self._params_signature()
         return updates
+
+    def _torch_kernels(self) -> bool:
+        """Whether torch's fused kernels compute this optimizer's update: its update class
+        says (``torch_kernels``); one that builds its updates with a method of its own
+        (FusedMixedPrecisionLamb) has none."""
+        update_class = self._update_class
+        return isinstance(update_class, type) and update_class.torch_kernels
 
     def _params_signature(self) -> list:
         """What the cached updates hold for: each group's params list, its length and version."""
