@@ -3,17 +3,18 @@ kernels: the route of amp's O2 fused step where apex_lite's native kernels do no
 (the default ``pip install .`` builds none).
 
 torch ships the kernels that ``torch.optim.SGD/Adam/AdamW/Adagrad(fused=True)`` run, for the CPU
-and CUDA: ``torch._fused_sgd_``, ``_fused_adam_``, ``_fused_adamw_`` and ``_fused_adagrad_``. Each
-reads a parameter, its gradient and its state once and writes them once, and takes a
-``grad_scale`` (the gradient is divided by it) and a ``found_inf`` (1.0: write nothing). What they lack for O2 is a
-gradient in another dtype than the parameter: an O2 master is fp32, its gradient (the half model
-parameter's, still multiplied by the loss scale) is fp16 or bf16. So here the gradients are
-converted to fp32 in chunks of at most ``CHUNK_ELEMENTS`` (1 MiB) into one fp32 buffer, and each
-chunk is stepped right after its conversion, while it is still in cache; then the chunk's masters
-are rounded into the half model parameters (one foreach copy). A parameter larger than a chunk is
-stepped in slices (its step count, which the kernel only reads, is shared by the slices and
-incremented once). No fp32 copy of all gradients exists at any time: O2 holds fp32 master weights,
-half weights, half gradients and the fp32 state, which is fp32 training's bytes per parameter.
+and CUDA: ``torch._fused_sgd_``, ``_fused_adam_``, ``_fused_adamw_`` and ``_fused_adagrad_``.
+Each reads a parameter, its gradient and its state once and writes them once, and takes a
+``grad_scale`` (the gradient is divided by it) and a ``found_inf`` (1.0: write nothing). What
+they lack for O2 is a gradient in another dtype than the parameter: an O2 master is fp32, its
+gradient (the half model parameter's, still multiplied by the loss scale) is fp16 or bf16. So
+here the gradients are converted to fp32 in chunks of at most ``CHUNK_ELEMENTS`` (1 MiB) into one
+fp32 buffer, and each chunk is stepped right after its conversion, while it is still in cache;
+then the chunk's masters are rounded into the half model parameters (one foreach copy). A
+parameter larger than a chunk is stepped in slices (its step count, which the kernel only reads,
+is shared by the slices and incremented once). No fp32 copy of all gradients exists at any time:
+O2 holds fp32 master weights, half weights, half gradients and the fp32 state, which is fp32
+training's bytes per parameter.
 
 The signatures and the meaning are the native ops' (``_python.py`` is their reference):
 ``grad * inv_scale`` is the true gradient, a set ``found_inf`` writes nothing at all (parameters,
