@@ -63,6 +63,22 @@ class GradWatch : public torch::CustomClassHolder {
     return -1;
   }
 
+  // The indices of the sources that had a .grad when recorded and have none now (empty when
+  // none, or nothing is recorded). amp applies such a clearing as fp32 training would: the
+  // parameter is not updated.
+  std::vector<int64_t> cleared() const {
+    std::vector<int64_t> out;
+    if (!recorded_) return out;
+    const size_t n = sources_.size();
+    for (size_t i = 0; i < n; ++i) {
+      prefetch(i);
+      if (grads_[i].defined() && !sources_[i].grad().defined()) {
+        out.push_back(static_cast<int64_t>(i));
+      }
+    }
+    return out;
+  }
+
   // Forget the record (and drop its references to the gradients).
   void clear() {
     grads_.clear();
@@ -102,6 +118,7 @@ TORCH_LIBRARY_FRAGMENT(apex_lite, m) {
       .def(torch::init<Tensors>())
       .def("record", &GradWatch::record)
       .def("changed", &GradWatch::changed)
+      .def("cleared", &GradWatch::cleared)
       .def("clear", &GradWatch::clear);
 }
 

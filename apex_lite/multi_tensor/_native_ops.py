@@ -18,7 +18,9 @@ the copy back leaves the caller's tensors as they were, bit for bit, without the
 ``found_inf`` holds (``scale_out``'s and ``axpby_out``'s).
 Both sets offer ``hold_lists``: an update's lists held in C++ between steps
 (``torch.classes.apex_lite.HeldLists``, csrc/held_lists.cpp), whose steps pass no list through
-Python; and ``watch_grads``: whether gradients changed since recorded (csrc/grad_watch.cpp).
+Python; and the host-side watches amp runs every step, one C++ loop each: ``watch_grads``
+(csrc/grad_watch.cpp), ``pending_grads`` and ``watch_tensors`` (csrc/master_watches.cpp), with
+``_watches``' signatures.
 
 Imported only after ``apex_lite._C`` is loaded.
 """
@@ -45,12 +47,25 @@ _fused_adam_ = torch.ops.apex_lite.fused_adam_.default
 _fused_lamb_ = torch.ops.apex_lite.fused_lamb_.default
 _HeldLists = torch.classes.apex_lite.HeldLists
 _GradWatch = torch.classes.apex_lite.GradWatch
+_PendingGrads = torch.classes.apex_lite.PendingGrads
+_TensorWatch = torch.classes.apex_lite.TensorWatch
 
 
 def watch_grads(sources: Tensors):
-    """The gradients' watch held in C++ (csrc/grad_watch.cpp): record() / changed() / clear()
-    as ``_python.GradWatch``, one call each instead of a Python read per tensor."""
+    """The gradients' watch held in C++ (csrc/grad_watch.cpp): record() / changed() /
+    cleared() / clear() as ``_watches.GradWatch``, one call each instead of a Python read per
+    tensor."""
     return _GradWatch(list(sources))
+
+
+def pending_grads(sources: Tensors, masters: Tensors, pending: Tensors):
+    """``_watches.PendingGrads`` held in C++ (csrc/master_watches.cpp)."""
+    return _PendingGrads(list(sources), list(masters), list(pending))
+
+
+def watch_tensors(tensors: Tensors):
+    """``_watches.TensorWatch`` held in C++ (csrc/master_watches.cpp)."""
+    return _TensorWatch(list(tensors))
 
 
 def _hold_lists_any_strides(params: Tensors, grad_sources: Tensors, model_params: Tensors,
@@ -65,7 +80,8 @@ CPU_OPS = SimpleNamespace(scale_=_scale_, scale_out=_scale_out, axpby_=_axpby_,
                           axpby_out=_axpby_out, l2norm=_l2norm, nonfinite_flags=_nonfinite_flags,
                           fused_sgd_=_fused_sgd_, fused_adam_=_fused_adam_,
                           fused_lamb_=_fused_lamb_, hold_lists=_hold_lists_any_strides,
-                          watch_grads=watch_grads)
+                          watch_grads=watch_grads, pending_grads=pending_grads,
+                          watch_tensors=watch_tensors)
 
 
 def _contiguous(tensors: Tensors) -> bool:
@@ -203,7 +219,8 @@ STAGED_OPS = SimpleNamespace(scale_=scale_, scale_out=scale_out, axpby_=axpby_,
                              axpby_out=axpby_out, l2norm=l2norm, nonfinite_flags=nonfinite_flags,
                              fused_sgd_=fused_sgd_, fused_adam_=fused_adam_,
                              fused_lamb_=fused_lamb_, hold_lists=hold_lists,
-                             watch_grads=watch_grads)
+                             watch_grads=watch_grads, pending_grads=pending_grads,
+                          watch_tensors=watch_tensors)
 
 
 # ---- issue 27: fused_lamb_mp_ (apex's FusedMixedPrecisionLamb) ----

@@ -488,35 +488,6 @@ def fused_adagrad_(params: Tensors, grads: Tensors, sums: Tensors, model_params:
     _commit(writes, found_inf)
 
 
-class GradWatch:
-    """Whether the ``.grad`` of ``sources`` changed since ``record()``: a tensor other than the
-    one recorded, or the recorded one at another version (every in-place op bumps a tensor's
-    version). ``changed()``: the index of the first changed source, -1 when none (or nothing is
-    recorded); a gradient set to None since counts as cleared. The reference of the native
-    ``torch.classes.apex_lite.GradWatch`` (csrc/grad_watch.cpp); no host sync."""
-
-    def __init__(self, sources: Tensors):
-        self.sources = list(sources)
-        self.grads = None
-        self.versions = None
-
-    def record(self) -> None:
-        self.grads = [p.grad for p in self.sources]
-        self.versions = [-1 if g is None or g.is_inference() else g._version for g in self.grads]
-
-    def changed(self) -> int:
-        if self.grads is None:
-            return -1
-        for i, (p, old, version) in enumerate(zip(self.sources, self.grads, self.versions)):
-            g = p.grad
-            if g is not None and (g is not old or g.is_inference() or g._version != version):
-                return i
-        return -1
-
-    def clear(self) -> None:
-        self.grads = self.versions = None
-
-
-def watch_grads(sources: Tensors) -> GradWatch:
-    """A ``GradWatch`` over ``sources``."""
-    return GradWatch(sources)
+# The host-side watches amp uses every step (no tensor arithmetic: the same on every backend's
+# device, here in Python).
+from ._watches import pending_grads, watch_grads, watch_tensors  # noqa: E402,F401
