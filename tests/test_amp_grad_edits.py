@@ -24,6 +24,7 @@ import torch
 
 from amp_helpers import assert_bitwise_equal, snapshot
 from apex_lite import amp
+from apex_lite.amp.master_grads import is_pending
 
 PATHS = pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
 _RAW_GRAD = torch._C.TensorBase.grad   # a .grad read that no Python property intercepts
@@ -434,20 +435,23 @@ def test_an_edit_of_a_kept_fp32_parameter_is_applied(fused):
     torch.testing.assert_close(update, other, rtol=1e-6, atol=1e-9)
 
 
-def test_unread_gradients_are_not_materialised_on_the_fused_step():
-    """Where nothing reads the optimizer's gradients the fused step holds no fp32 master
-    gradient (its memory advantage); a read makes them, once, for every master."""
+def test_unused_gradients_are_not_materialised_on_the_fused_step():
+    """Where nothing uses the optimizer's gradients the fused step holds no fp32 master
+    gradient (its memory advantage): each master's .grad is a pending one, which holds no
+    memory; the first use of one makes them, once, for every master."""
     model, opt = _setup(True, _bn_net)
     amp_opt = opt._apex_lite_amp
     _backward(model, opt)
     half_masters = [m for m in amp_opt.masters() if m in amp.default_handle()._run.model_of]
-    assert half_masters and all(_RAW_GRAD.__get__(m) is None for m in half_masters)
+    assert half_masters and all(is_pending(m.grad) for m in half_masters)
     opt.step()
-    assert all(_RAW_GRAD.__get__(m) is None for m in half_masters)
+    assert all(is_pending(m.grad) for m in half_masters)
     opt.zero_grad()
     _backward(model, opt, 1)
-    assert half_masters[-1].grad is not None     # one read makes them all
-    assert all(_RAW_GRAD.__get__(m) is not None for m in half_masters)
+    assert half_masters[-1].grad is not None     # a read is only a read
+    assert all(is_pending(m.grad) for m in half_masters)
+    half_masters[-1].grad.norm()                 # one use makes them all
+    assert not any(is_pending(m.grad) or m.grad is None for m in half_masters)
 
 
 # ---- the watch itself, on both backends ---------------------------------------------------------

@@ -474,7 +474,8 @@ def test_bad_loss_id_and_foreign_optimizer():
             pass
 
 
-def test_closure_is_refused_with_the_way_out():
+def test_a_closure_without_scale_loss_is_refused_with_the_way_out():
     model, opt = _setup("O1")
-    with pytest.raises(RuntimeError, match="optimizer.step\\(closure\\) is not supported"):
+    with pytest.raises(RuntimeError, match=r"step\(closure\): the closure did not run its "
+                                           r"backward inside `with amp.scale_loss"):
         opt.step(lambda: 0.0)

@@ -51,7 +51,8 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                min_loss_scale=None, max_loss_scale=2. ** 24, *, half_dtype=None,
                keep_fp32_modules=(), hysteresis=1, scale_window=DEFAULT_SCALE_WINDOW,
                process_group=None, overflow_patience=DEFAULT_OVERFLOW_PATIENCE,
-               locate_nonfinite=False, fused_step=None, sync_interval=DEFAULT_SYNC_INTERVAL):
+               locate_nonfinite=False, fused_step=None, sync_interval=DEFAULT_SYNC_INTERVAL,
+               frozen_master_weights=False):
     """Set models and optimizers up for mixed precision at ``opt_level`` ("O0".."O3"), as apex.
 
     Returns ``(model, optimizer)``, each a list only where a list was passed, or the model(s)
@@ -85,6 +86,11 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
       sync_interval: when every optimizer takes the fused step, the loss scale and the skip
         decisions stay on the device and the host counters (amp.loss_scalers()), the skip log
         and OverflowStuckError catch up when read, and at least every ``sync_interval`` steps.
+      frozen_master_weights: at O2, keep an exact fp32 master also for the floating parameters
+        that no optimizer passed here holds (frozen weights). Default False, apex's rule: they
+        are cast to half with no master, cost their half bytes, and the model's state_dict()
+        gives the upcast of their half values. A parameter that joins an optimizer later
+        (``add_param_group``) gets its master then, from the best value amp has.
 
     Logging (logger "apex_lite.amp", only rank 0 when distributed), by ``verbosity``:
       0: silent.
@@ -106,7 +112,8 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
         half_dtype=half_dtype, keep_fp32_modules=keep_fp32_modules, hysteresis=hysteresis,
         scale_window=scale_window, process_group=process_group,
         overflow_patience=overflow_patience, locate_nonfinite=locate_nonfinite,
-        fused_step=fused_step, sync_interval=sync_interval)
+        fused_step=fused_step, sync_interval=sync_interval,
+        frozen_master_weights=frozen_master_weights)
 
 
 def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,

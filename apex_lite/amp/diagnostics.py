@@ -23,7 +23,7 @@ import torch.distributed as dist
 from .. import multi_tensor
 from ..optimizers.update import local_shards
 from .casting import apply_to_floats
-from .master_grads import stored_grad
+from .master_grads import is_pending
 from .scaler import SMALLEST_LOSS_SCALE
 
 logger = logging.getLogger("apex_lite.amp")
@@ -167,10 +167,10 @@ def nonfinite_gradient_names(run, amp_optimizers, evidence=None) -> List[str]:
                         names.append(run.param_name(p))
             continue
         for group in amp_opt.groups().values():
-            # The master's gradient, or on the fused step the model's (still scaled, which
-            # does not change whether it is finite).
-            pairs = [(model_param, stored_grad(master) if stored_grad(master) is not None
-                      else model_param.grad)
+            # The master's gradient, or on the fused step (a pending one) the model's (still
+            # scaled, which does not change whether it is finite).
+            pairs = [(model_param, model_param.grad if master.grad is None
+                      or is_pending(master.grad) else master.grad)
                      for model_param, master in zip(group.model_params, group.masters)
                      if id(master) not in seen]
             pairs = [(p, grad) for p, grad in pairs if grad is not None]

@@ -44,27 +44,29 @@ class HalfGradEdits:
     """The watch over one amp optimizer's half model gradients (``AmpOptimizer.grad_edits``)."""
 
     def __init__(self):
-        self._watches: List[tuple] = []     # (watch, the half model parameters it reads)
+        # (device, watch, the half model parameters it reads)
+        self._watches: List[tuple] = []
         self._groups: Optional[dict] = None
 
     def _watches_for(self, amp_opt) -> List[tuple]:
         groups = amp_opt.groups()
         if groups is not self._groups:      # built again after add_param_group
             self.forget()
-            self._watches = [(ops_for(device).watch_grads(group.half_models), group.half_models)
+            self._watches = [(device, ops_for(device).watch_grads(group.half_models),
+                              group.half_models)
                              for device, group in groups.items() if group.half_models]
             self._groups = groups
         return self._watches
 
     def record(self, amp_opt) -> None:
         """At the end of a ``scale_loss``: the half gradients as they are now are amp's."""
-        for watch, _ in self._watches_for(amp_opt):
+        for _, watch, _ in self._watches_for(amp_opt):
             watch.record()
 
     def refuse(self, amp_opt, caller: str) -> None:
         """Raise, naming the first parameter and the fix, when a half gradient changed since the
         last ``record``."""
-        for watch, params in self._watches:
+        for _, watch, params in self._watches:
             index = watch.changed()
             if index >= 0:
                 name = amp_opt.run.param_name(params[index])
@@ -76,7 +78,18 @@ class HalfGradEdits:
                     f"loss scale, so the edit would be applied to scaled values or not at all; "
                     f"nothing was changed. {_FIX}")
 
+    def cleared(self) -> List[tuple]:
+        """``[(device, indices into its group's half_models)]``: the half gradients that were
+        there at the last ``record`` and are None now (set to None by hand, or by a submodule's
+        ``zero_grad()``)."""
+        out = []
+        for device, watch, _ in self._watches:
+            indices = list(watch.cleared())
+            if indices:
+                out.append((device, indices))
+        return out
+
     def forget(self) -> None:
         """Drop the record (and its references to the gradients): at step(), zero_grad."""
-        for watch, _ in self._watches:
+        for _, watch, _ in self._watches:
             watch.clear()

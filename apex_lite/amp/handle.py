@@ -46,7 +46,7 @@ class AmpHandle:
                    scale_window=DEFAULT_SCALE_WINDOW, process_group=None,
                    overflow_patience=diagnostics.DEFAULT_OVERFLOW_PATIENCE,
                    locate_nonfinite=False, fused_step=None,
-                   sync_interval=DEFAULT_SYNC_INTERVAL):
+                   sync_interval=DEFAULT_SYNC_INTERVAL, frozen_master_weights=False):
         """apex's ``amp.initialize``; see ``apex_lite.amp.initialize`` for the extensions."""
         model_list, models_was_list = _as_list(models, torch.nn.Module, "models")
         if optimizers is None:
@@ -102,8 +102,11 @@ class AmpHandle:
         if self._run is not None and self._run.enabled:
             for amp_opt in self._run.optimizers:   # the previous run's watches on the models
                 amp_opt.watches.remove()
+        # O2's masters: for the parameters the optimizers hold (apex's rule), or every one.
+        held = None if frozen_master_weights else \
+            {id(p) for opt in opt_list for group in opt.param_groups for p in group["params"]}
         for index, model in enumerate(model_list):
-            run_module.prepare_model(run, index, model, keep_fp32_modules)
+            run_module.prepare_model(run, index, model, keep_fp32_modules, held)
         for opt, why in zip(opt_list, unfused_whys):
             run_module.take_over_optimizer(run, opt, why)
         devices = {p.device for amp_opt in run.optimizers for p in amp_opt.masters()}
@@ -114,6 +117,7 @@ class AmpHandle:
             for scaler in run.scalers:
                 scaler.use_device(device)
         run.record_placement()
+        run.model_writes.record()
         self._run = run
         if locate_nonfinite:
             run.locate_nonfinite()
@@ -224,6 +228,9 @@ class AmpHandle:
         for amp_opt, stash in zip(amp_opts, stashes):
             amp_opt.missing_backward = False
             amp_opt.after_backward(stash, loss, scale, delay_unscale, check)
+        # Before code between the backward and step() reads param_groups: the masters follow
+        # their parameters' requires_grad, and writes made in the forward (model_writes.py).
+        run.model_writes.sync()
         if check is not None and not delay_overflow_check:
             check.resolve()
 
@@ -312,6 +319,7 @@ class AmpHandle:
         when it is first read (to clip or read them, as apex code does)."""
         amp_opt = getattr(optimizer, _MARK, None)
         if amp_opt is not None:
+            amp_opt.run.model_writes.sync()
             amp_opt.materialize_master_grads()
         for group in optimizer.param_groups:
             for p in group["params"]:

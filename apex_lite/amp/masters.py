@@ -18,7 +18,7 @@ import torch
 from ..multi_tensor import _python
 from ..multi_tensor._backend import ops_for
 from ..optimizers.update import local_shards
-from . import fsdp
+from . import fsdp, master_grads
 
 Scale = Union[float, torch.Tensor]
 
@@ -29,15 +29,22 @@ MOVED_FIX = ("Move the model before initializing (model.to(device); then model, 
              "the new device, load their state_dicts and call amp.initialize again.")
 
 
-def make_masters(run, index: int, model: torch.nn.Module, kept_params: set) -> None:
+def make_masters(run, index: int, model: torch.nn.Module, kept_params: set,
+                 held: Optional[set]) -> None:
     """O2, before the cast rounds them: the fp32 values of model ``index``'s floating-point
-    parameters (but those of ``kept_params``, kept fp32) become their masters, in ``run``'s
-    ``master_of`` / ``model_of`` / ``master_pairs``."""
+    parameters that an optimizer holds (ids in ``held``; every one when ``held`` is None), but
+    those of ``kept_params`` (kept fp32), become their masters, in ``run``'s ``master_of`` /
+    ``model_of`` / ``master_pairs``. The others are cast without one (apex's rule: a frozen
+    weight that no optimizer steps costs its half bytes); ``run.unmastered`` remembers them, so
+    that one that joins an optimizer later (``add_param_group``) gets its master then."""
     for name, p in model.named_parameters():
         # FSDP2's sharded fp32 parameters are their own masters (fsdp.py).
         if p.is_floating_point() and id(p) not in kept_params and not fsdp.is_sharded(p):
             # A parameter shared with a model prepared before keeps its master.
             master = run.master_of.get(p)
+            if master is None and held is not None and id(p) not in held:
+                run.unmastered.setdefault(id(p), (index, name, p))
+                continue
             if master is None:
                 # The fp32 storage itself becomes the master (``.data``: no autograd history,
                 # its own version counter); the cast gives the parameter new half storage. No
@@ -114,14 +121,21 @@ class _DeviceGroup:
         self.half_masters: List[torch.Tensor] = []
         self._master_grad_buffers: Optional[List[torch.Tensor]] = None
         self._scratch_flag: Optional[torch.Tensor] = None
+        # The fused step's gradients of half_masters (master_grads.py), made on first use.
+        self.pending: Optional[List[torch.Tensor]] = None     # PendingGrad per O2 master
+        self.zeros: Optional[List[torch.Tensor]] = None       # zero PendingGrad per O2 master
+        self.pending_watch = None    # ops.pending_grads(half_models, half_masters, pending)
+        self.made: List[torch.Tensor] = []   # the PendingGrads made into real gradients
 
     def master_grad_buffers(self) -> List[torch.Tensor]:
         """Views of one fp32 buffer, one per O2 master: what a master's ``.grad`` is set to when
         ``zero_grad`` left it None, so the unscale does not allocate 2 x params tensors a step.
-        (The memory is the same: the master gradients exist during every step anyway.)"""
+        (The memory is the same: the master gradients exist during every step anyway.) Never
+        an inference tensor, wherever the first use happens."""
         if self._master_grad_buffers is None:
-            flat = torch.empty(sum(m.numel() for m in self.half_masters), dtype=torch.float32,
-                               device=self.device)
+            with torch.inference_mode(False):
+                flat = torch.empty(sum(m.numel() for m in self.half_masters),
+                                   dtype=torch.float32, device=self.device)
             views, offset = [], 0
             for master in self.half_masters:
                 views.append(flat[offset:offset + master.numel()].view_as(master))
@@ -129,10 +143,16 @@ class _DeviceGroup:
             self._master_grad_buffers = views
         return self._master_grad_buffers
 
+    def release_master_grad_buffers(self) -> None:
+        """Drop the buffer (the fused step, after a step whose gradients nothing used: its
+        memory goes back once no master's ``.grad`` is a view of it)."""
+        self._master_grad_buffers = None
+
     def scratch_flag(self) -> torch.Tensor:
         """A flag for the master-to-model copy, whose inputs are finite by construction."""
         if self._scratch_flag is None:
-            self._scratch_flag = torch.zeros(1, dtype=torch.float32, device=self.device)
+            with torch.inference_mode(False):
+                self._scratch_flag = torch.zeros(1, dtype=torch.float32, device=self.device)
         return self._scratch_flag
 
 
@@ -323,12 +343,16 @@ class MasterWeights:
         return covered, total
 
     def clear_master_grads(self, model_param_ids, set_to_none: bool) -> None:
-        """The O2 master gradients fed by the model parameters ``model_param_ids``."""
+        """The O2 master gradients fed by the model parameters ``model_param_ids``. A fused
+        step's pending gradient is replaced, never made only to be zeroed (master_grads.py)."""
         for group in self.groups().values():
-            for model_param, master in zip(group.half_models, group.half_masters):
+            for i, (model_param, master) in enumerate(zip(group.half_models,
+                                                          group.half_masters)):
                 if id(model_param) in model_param_ids and master.grad is not None:
                     if set_to_none:
                         master.grad = None
+                    elif type(master.grad) is master_grads.PendingGrad:
+                        master_grads.zero(group, [i])
                     else:
                         master.grad.zero_()
 

@@ -8,7 +8,9 @@ On each model ``initialize`` prepares (``hang_on_model``):
 - ``_Fp32StateDict`` (state_dict post-hook, models cast to half): the model's checkpoint holds
   fp32, under O2 the masters themselves, as apex's did;
 - ``_MastersFollowModelLoads`` (load_state_dict pre- and post-hooks, O2): loading the model
-  after ``initialize`` updates the masters, which the optimizer steps.
+  after ``initialize`` updates the masters, which the optimizer steps;
+- ``ddp.FollowDDPBroadcast`` (forward pre-hook, O2): inside a DistributedDataParallel's first
+  forward, rank 0's masters are broadcast, as DDP broadcast rank 0's half weights.
 
 On each O2 half parameter, its master (``Fp32Values``, an attribute): both hooks find the fp32
 values from the parameter itself, never by module or name, so a tied parameter gives its master
@@ -174,13 +176,23 @@ class _MastersFollowModelLoads:
 class _Fp32StateDict:
     """``state_dict()`` of a model cast to half holds fp32, as apex's did, and better: under all
     the names of a parameter one tensor, its ``fp32_truth`` (under O2 the master itself: exact,
-    so a model checkpoint alone resumes bit for bit and loads into a plain fp32 model); every
-    other half tensor (half buffers) upcast to fp32, which is exact. fp32-kept modules are fp32
-    already. A state_dict post-hook of a module-level class that holds nothing, so that the model
-    still pickles and a copy of it gives its own weights (one pickled before held ``masters``,
-    now unused)."""
+    so a model checkpoint alone resumes bit for bit and loads into a plain fp32 model; a write
+    to the half model that amp did not make is taken into the master first, model_writes.py);
+    every other half tensor (half buffers) upcast to fp32, which is exact. fp32-kept modules are
+    fp32 already. A state_dict post-hook of a module-level class that holds the run weakly and
+    drops it when pickled, so that the model still pickles and a copy of it gives its own
+    weights (one pickled before held ``masters``, now unused)."""
+
+    def __init__(self, run=None):
+        self.run = None if run is None else weakref.ref(run)
+
+    def __getstate__(self):
+        return {"run": None}
 
     def __call__(self, module, state_dict, prefix, local_metadata) -> None:
+        run = None if getattr(self, "run", None) is None else self.run()
+        if run is not None:
+            run.model_writes.sync(compare_all=True)
         truths: Dict[int, torch.Tensor] = {}
         for name, param in module.named_parameters(remove_duplicate=False):
             key = prefix + name
@@ -198,15 +210,14 @@ class _Fp32StateDict:
 def hang_on_model(model: torch.nn.Module, run, index: int, cast_to_half: bool) -> None:
     """Hang the model's hooks (see the module's docstring) on model ``index`` of ``run``, after
     its cast and its masters were made; each O2 master on its half parameter (``Fp32Values``)."""
-    pairs = run.master_pairs[index]
     if cast_to_half:
-        if pairs:
-            for _, model_param, master in pairs:
+        if run.properties.master_weights:
+            for _, model_param, master in run.master_pairs[index]:
                 setattr(model_param, FP32_ATTR, Fp32Values(master, live=True))
             follower = _MastersFollowModelLoads()
             model.register_load_state_dict_pre_hook(follower.capture)
             model.register_load_state_dict_post_hook(follower.apply)
-        model.register_state_dict_post_hook(_Fp32StateDict())
+        model.register_state_dict_post_hook(_Fp32StateDict(run))
     model.zero_grad = _ModelZeroGrad(model, run)
     model.register_forward_pre_hook(_DtypeGuard(run, index))
 

@@ -47,7 +47,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from . import fsdp_norms, master_grads
+from . import closures, fsdp_norms, master_grads
 from .grad_edits import HalfGradEdits
 from .masters import MasterWeights, _DeviceGroup
 from .model_hooks import BackwardWatches
@@ -112,9 +112,10 @@ class AmpOptimizer:
         opt._apex_lite_amp = self
         self.saved_state.install()
         self.watches.watch([p for group in opt.param_groups for p in group["params"]])
-        # Masters an earlier initialize's fused step made FusedMasters answer to it: plain again
-        # until this run's fused step (if it takes one) adopts them.
-        master_grads.release(self.masters())
+        # Gradients an earlier initialize's fused step left pending belong to its run.
+        for master in self.masters():
+            if master_grads.is_pending(master.grad):
+                master.grad = None
 
     # ---- the parameters (masters.py) ----------------------------------------------------------
     def groups(self) -> Dict[torch.device, _DeviceGroup]:
@@ -223,13 +224,16 @@ class AmpOptimizer:
                 f"{self.label()}.step() was called inside its `with amp.scale_loss(...)` block: "
                 f"the gradients are still multiplied by the loss scale there, and amp unscales "
                 f"and checks them when the block exits. Call optimizer.step() after the block.")
-        if closure is not None:
-            raise RuntimeError(
-                "optimizer.step(closure) is not supported under apex_lite.amp: a closure "
-                "recomputes the loss and calls backward itself, outside amp.scale_loss, so its "
-                "gradients would be neither scaled nor checked. Compute the loss, run its "
-                "backward inside `with amp.scale_loss(loss, optimizer) as scaled: "
-                "scaled.backward()`, then call optimizer.step() without a closure.")
+        if closure is None:
+            return self._step(None, None)
+        return self._step(closure, closures.first_call(self, closure))
+
+    def _step(self, closure, closure_loss):
+        """``step()`` after its refusals (each raised before anything changes): the skip
+        decision, then the update by the step path. torch's optimizer step hooks fire once per
+        call, skipped or not (on the unfused step, the optimizer's own step fires them when it
+        runs). A step that raises leaves amp's bookkeeping as it was: it may be called again."""
+        caller = f"{self.label()}.step()"
         if self.grad_state == SCALED:
             raise RuntimeError(
                 "optimizer.step() was called while this optimizer's gradients are still "
@@ -240,7 +244,7 @@ class AmpOptimizer:
         self.check_devices("optimizer.step()")
         if self.missing_backward:
             raise RuntimeError(
-                f"{self.label()}.step(): the last `with amp.scale_loss(...) as scaled_loss:` "
+                f"{caller}: the last `with amp.scale_loss(...) as scaled_loss:` "
                 f"block for this optimizer ran no backward through scaled_loss (was it "
                 f"`scaled_loss.backward` without the parentheses?), so there are no gradients "
                 f"for amp to unscale and check. Call scaled_loss.backward() inside the block.")
@@ -254,32 +258,63 @@ class AmpOptimizer:
                 "neither scaled nor checked.)")
         if self.foreign_backward:
             raise RuntimeError(
-                f"{self.label()}.step(): its parameters hold gradients that no amp.scale_loss for "
+                f"{caller}: its parameters hold gradients that no amp.scale_loss for "
                 f"this optimizer unscaled or checked: since they were last cleared, a backward "
                 f"outside the scale_loss blocks given this optimizer wrote into them (a "
                 f"loss.backward() outside amp.scale_loss, or a scale_loss that this optimizer "
                 f"was not given, whose backward reached these parameters). {_UNSCALED_FIX}")
         if self.grad_state == CLEAN:
             self._refuse_gradients_amp_did_not_unscale()
-        self.grad_edits.refuse(self, f"{self.label()}.step()")
+        self.grad_edits.refuse(self, caller)
+        self._drop_cleared()
+        self.run.model_writes.sync()
+        checks = self.checks
+        args = () if closure is None else (closure,)
+        try:
+            if self.run.decides_on_device:
+                # Every step is fused: the kernel reads the skip decision on the device.
+                flags = [check.skip_flag(self) for check in checks]
+                found_inf = functools.reduce(torch.maximum, flags) if flags else None
+                result = self._with_hooks(lambda: self.path.apply(self, found_inf), args)
+            elif any([check.skips(self) for check in checks]):   # every check resolves
+                self.path.forget()   # a clip coefficient of this step goes with it
+                result = self._with_hooks(lambda: None, args)
+            elif self.path.fused:
+                result = self._with_hooks(lambda: self.path.apply(self, None), args)
+            else:
+                result = self.path.apply(self, None,
+                                         closures.replayed(self, closure, closure_loss))
+        except BaseException:
+            self.checks = checks
+            raise
+        self.checks = []
         self.grad_edits.forget()
-        checks, self.checks = self.checks, []
         self.stepped_since_backward = True
         # Tell an LR scheduler this step counted (torch's own flag), also when it is skipped, so
         # that skipped first steps do not make it warn that lr_scheduler.step() came first.
         self.optimizer._opt_called = True
-        if self.run.decides_on_device:
-            # Every step is fused: the kernel reads the skip decision on the device.
-            flags = [check.skip_flag(self) for check in checks]
-            found_inf = functools.reduce(torch.maximum, flags) if flags else None
-            return self.path.apply(self, found_inf)
-        skip = False
-        for check in checks:
-            skip = check.skips(self) or skip
-        if skip:
-            self.path.forget()   # a clip coefficient of this step goes with it
-            return None
-        return self.path.apply(self, None)
+        self.run.model_writes.record()   # the half model as amp's own writes left it
+        return closure_loss if closure is not None and self.path.fused else result
+
+    def _with_hooks(self, apply, args: tuple):
+        """Run ``apply()`` between torch's optimizer step pre- and post-hooks (the optimizer's
+        and the global ones, through torch's own runner), as ``optimizer.step`` would."""
+        if not isinstance(self.optimizer, torch.optim.Optimizer):
+            return apply()
+        return torch.optim.Optimizer.profile_hook_step(
+            lambda optimizer, *rest: apply())(self.optimizer, *args)
+
+    def _drop_cleared(self) -> None:
+        """O2: a half gradient cleared since its ``scale_loss`` (``model[0].zero_grad()``,
+        ``p.grad = None``) is applied as fp32 training applies it: the parameter is not updated.
+        Its master's true gradient is dropped (the fused step's pending one needs nothing: the
+        kernel skips a parameter whose half gradient is gone, and a later read makes None)."""
+        if self.grad_state != UNSCALED:
+            return
+        for device, indices in self.grad_edits.cleared():
+            masters = self.groups()[device].half_masters
+            for i in indices:
+                masters[i].grad = None
 
     def _refuse_gradients_amp_did_not_unscale(self) -> None:
         """``step()`` with no ``scale_loss`` for this optimizer since its gradients were cleared:
@@ -325,7 +360,7 @@ class AmpOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         # The step itself is not taken, as zero_grad before step() means in plain torch.
         self._reset(set_to_none)
-        self._original_zero_grad(set_to_none=set_to_none)
+        self.path.zero_grad(self, set_to_none, self._original_zero_grad)
         self.weights.clear_model_grads(set_to_none)
 
     def model_zeroed(self, model_param_ids, set_to_none: bool) -> None:
@@ -357,12 +392,11 @@ class AmpOptimizer:
         self.watches.watch(group["params"])
 
     def materialize_master_grads(self) -> None:
-        """Between a backward and its step(), give the masters true fp32 gradients
-        (``amp.master_params``: apex's way to clip them); on the fused step this unscales CHECKED
-        gradients into them (UNSCALED) and the step reads those. After the step nothing is made:
-        the step's gradients were used (the fused step leaves the masters without gradients)."""
-        if not self.stepped_since_backward:
-            self.path.materialize(self)
+        """Give the masters true fp32 gradients (``amp.master_params``: apex's way to clip them;
+        the first use of a fused step's pending gradient, master_grads.py): on the fused step
+        this unscales CHECKED gradients into them (UNSCALED) and the step reads those; after the
+        step, they are the gradients it applied, as the unfused step leaves them."""
+        self.path.materialize(self)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the true gradients the next step() applies to ``max_norm``; their total norm."""
@@ -379,11 +413,14 @@ _UNSCALED_FIX = (
 def _make_method(name: str):
     """A fresh function per optimizer (so attributes set on one do not leak to another) that
     delegates to the optimizer's ``AmpOptimizer``; bound to the instance with MethodType, the
-    form torch's LR schedulers expect of ``optimizer.step``."""
+    form torch's LR schedulers expect of ``optimizer.step``. ``torch.compile`` of code that calls
+    ``optimizer.step()`` runs amp's step as it is (a graph break there): it is host bookkeeping
+    around one fused kernel call per bucket, nothing a compiler would speed up, and the host
+    decisions it makes (skips, refusals) must happen each step, not once at tracing."""
     if name == "step":
         def step(optimizer, closure=None):
             return optimizer._apex_lite_amp.step(closure)
-        return step
+        return torch.compiler.disable(step)
     if name == "zero_grad":
         def zero_grad(optimizer, set_to_none: bool = True):
             return optimizer._apex_lite_amp.zero_grad(set_to_none)

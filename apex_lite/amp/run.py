@@ -12,8 +12,9 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from . import casting, diagnostics, fsdp, init_checks, masters, model_hooks, step_path
+from . import casting, ddp, diagnostics, fsdp, init_checks, masters, model_hooks, step_path
 from .init_checks import describe as _describe
+from .model_writes import ModelWrites
 from .opt_levels import HALF_DTYPES, Properties
 from .optimizer import MARK, AmpOptimizer
 from .overflow import DecisionLog, FlagPool
@@ -59,6 +60,11 @@ class _Run:
         self.master_pairs: List[List[tuple]] = [[] for _ in models]
         self.master_of: Dict[torch.Tensor, torch.Tensor] = {}
         self.model_of: Dict[torch.Tensor, torch.Tensor] = {}
+        # O2: the cast parameters that no optimizer held at initialize, which have no master
+        # yet: id -> (model index, qualified name, parameter) (masters.make_masters).
+        self.unmastered: Dict[int, tuple] = {}
+        # O2: writes to the half model that amp did not make, taken into the masters.
+        self.model_writes = ModelWrites(self)
         self.optimizers: List[AmpOptimizer] = []
         # The FSDP2 units of the models (fsdp.Sharding), or None when none is sharded.
         self.sharding: Optional[fsdp.Sharding] = None
@@ -175,19 +181,37 @@ class _Run:
         return None
 
     def masters_for(self, params: Sequence[torch.Tensor], caller: str) -> List[torch.Tensor]:
-        """``params`` with each cast model parameter replaced by its fp32 master."""
+        """``params`` with each cast model parameter replaced by its fp32 master; one that has
+        none yet (no optimizer held it at initialize) gets it now (``add_master``)."""
         foreign = self.foreign_param(params)
         if foreign is not None:
             raise ValueError(f"{caller} got a parameter ({_describe(foreign)}) that is not a "
                              f"parameter of the model(s) passed to amp.initialize. Pass every "
                              f"model whose parameters the optimizer updates, e.g. "
                              f"amp.initialize([model_a, model_b], optimizer, ...).")
-        return [self.master_of.get(p, p) for p in params]
+        return [self.master_of[p] if p in self.master_of else
+                self.add_master(p) if id(p) in self.unmastered else p for p in params]
+
+    def add_master(self, param: torch.Tensor) -> torch.Tensor:
+        """O2: the master of a cast parameter that joins an optimizer after initialize, from the
+        best value amp has: fp32 values the parameter carries where they round to it (a
+        pickled copy's), else the upcast of its half value (exact)."""
+        index, name, _ = self.unmastered.pop(id(param))
+        with torch.inference_mode(False), torch.no_grad():
+            master = model_hooks.fp32_truth(param).clone()
+        master.requires_grad_(param.requires_grad)
+        self.master_of[param] = master
+        self.model_of[master] = param
+        self.master_pairs[index].append((name, param, master))
+        setattr(param, model_hooks.FP32_ATTR, model_hooks.Fp32Values(master, live=True))
+        self._param_names = None
+        return master
 
 
-def prepare_model(run: _Run, index: int, model: torch.nn.Module, keep_fp32_modules) -> None:
-    """Model ``index`` for ``run``: cast (O2's masters made first), forward wrapped, hooks hung,
-    marked as initialised."""
+def prepare_model(run: _Run, index: int, model: torch.nn.Module, keep_fp32_modules,
+                  held: Optional[set]) -> None:
+    """Model ``index`` for ``run``: cast (O2's masters made first, for the parameters in
+    ``held``, or all when None), forward wrapped, hooks hung, marked as initialised."""
     props = run.properties
     cast_type = props.cast_model_type
     if cast_type in HALF_DTYPES:
@@ -197,7 +221,7 @@ def prepare_model(run: _Run, index: int, model: torch.nn.Module, keep_fp32_modul
         kept_params = {id(p) for _, m in kept for p in m.parameters()}
         if props.master_weights:
             # Masters are the original fp32 values, before the cast rounds them.
-            masters.make_masters(run, index, model, kept_params)
+            masters.make_masters(run, index, model, kept_params, held)
         if run.sharding is not None:
             run.sharding.cast_model(model, cast_type, kept,
                                     cast_shards=not props.master_weights)
@@ -216,13 +240,21 @@ def prepare_model(run: _Run, index: int, model: torch.nn.Module, keep_fp32_modul
         casting.wrap_forward(model, output_dtype=props.cast_model_outputs)
     model_hooks.hang_on_model(model, run, index,
                               cast_to_half=cast_type in HALF_DTYPES)
+    if cast_type in HALF_DTYPES and props.master_weights:
+        model.register_forward_pre_hook(ddp.FollowDDPBroadcast(run))
     setattr(model, MARK, props.opt_level)
 
 
 def take_over_optimizer(run: _Run, opt: torch.optim.Optimizer, unfused_why: str) -> None:
     """Hand ``opt`` its masters and patch it (``AmpOptimizer``) onto the step path chosen."""
     for group in opt.param_groups:
-        group["params"] = run.masters_for(group["params"], "amp.initialize")
+        masters = run.masters_for(group["params"], "amp.initialize")
+        if isinstance(group["params"], list):
+            # In place: an optimizer may hold the list itself (LBFGS keeps param_groups[0]
+            # ["params"] as self._params), and must step the masters through it too.
+            group["params"][:] = masters
+        else:
+            group["params"] = masters
     for model_param, master in run.master_of.items():
         if model_param in opt.state:
             opt.state[master] = opt.state.pop(model_param)

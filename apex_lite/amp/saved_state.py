@@ -34,7 +34,9 @@ AMP_STATE_KEY = "apex_lite_amp"
 
 
 def amp_state_dict(run) -> dict:
-    """What ``amp.state_dict()`` returns for ``run``: ``scaler_state`` and the O2 masters."""
+    """What ``amp.state_dict()`` returns for ``run``: ``scaler_state`` and the O2 masters (with
+    the writes to the half model that amp did not make taken in first)."""
+    run.model_writes.sync(compare_all=True)
     state = scaler_state(run)
     state[STATE_KEY]["master_weights"] = [[master.detach().clone() for _, _, master in pairs]
                                           for pairs in run.master_pairs]

@@ -119,9 +119,10 @@ class UnfusedStep:
     def end_backward(self, amp_opt, stash, scale: BackwardScale, check) -> None:
         amp_opt.unscale(stash, scale, check)
 
-    def apply(self, amp_opt, found_inf: Optional[torch.Tensor]):
-        # found_inf is None: a host decision (some optimizer of the run is unfused) let it step.
-        result = amp_opt._original_step()
+    def apply(self, amp_opt, found_inf: Optional[torch.Tensor], closure=None):
+        """The optimizer's own step (which fires torch's step hooks), with ``closure`` when
+        ``step(closure)`` was called; found_inf is None: a host decision let it step."""
+        result = amp_opt._original_step() if closure is None else amp_opt._original_step(closure)
         amp_opt.copy_masters_to_model()
         return result
 
@@ -136,6 +137,9 @@ class UnfusedStep:
 
     def invalidate(self) -> None:
         pass
+
+    def zero_grad(self, amp_opt, set_to_none: bool, original) -> None:
+        original(set_to_none=set_to_none)
 
 
 def _clip_master_grads(amp_opt, max_norm: float, norm_type: float) -> torch.Tensor:
@@ -179,8 +183,9 @@ class FusedStep:
         self._buckets: Optional[List[_Bucket]] = None
         self._built_for: Tuple[int, int] = (0, 0)
         self._scalars: Dict[Tuple[torch.device, str], torch.Tensor] = {}
-        # The parameter grouping whose O2 masters are FusedMasters (master_grads.py).
-        self._adopted: Optional[dict] = None
+        # Whether something used this step's pending gradients (master_grads.py): the step
+        # then keeps the buffer they were made in.
+        self.made = False
 
     def describe(self) -> str:
         """"fused step", and where other kernels than the native ones run it, which."""
@@ -195,14 +200,12 @@ class FusedStep:
         """The half gradients are checked where they stand (the step's kernel unscales them);
         those of parameters that are their own masters (kept fp32, FSDP2's shards) are unscaled
         in place, checked on the way: the model's and the optimizer's, they hold their true
-        gradient after the block, as on the unfused step."""
-        groups = amp_opt.groups()
-        if groups is not self._adopted:
-            master_grads.adopt((m for g in groups.values() for m in g.half_masters), amp_opt)
-            self._adopted = groups
+        gradient after the block, as on the unfused step. Each O2 master's ``.grad`` becomes its
+        pending gradient (master_grads.py), made when something uses it."""
         if amp_opt.grad_state not in (CLEAN, SCALED):
             amp_opt.unscale(stash, scale, check)   # adding to materialised fp32 gradients
             return
+        groups = amp_opt.groups()
         for device, group in groups.items():
             found_inf = check.found_inf(amp_opt, device)
             # Each list's per-tensor flags are kept, so that the diagnostics name the parameter
@@ -214,6 +217,7 @@ class FusedStep:
                     check.keep_flags(amp_opt, with_grads, flag_nonfinite(grads, found_inf))
                     if params is group.own_masters:
                         fused_scale(grads, grads, scale.inv, found_inf)
+        master_grads.pend(amp_opt, groups)
         amp_opt.grad_state = CHECKED
         amp_opt.pending = scale
 
@@ -222,10 +226,16 @@ class FusedStep:
         """The update, one kernel call per bucket. ``found_inf``: the device decision (1: skip),
         or None when the host decided to step. Reads CHECKED gradients (scaled) from the model
         parameters, UNSCALED ones from the masters; CLEAN: the zeros zero_grad(set_to_none=False)
-        left, which torch's optimizers step on too."""
+        left, which torch's optimizers step on too. A master's ``.grad`` that user code replaced
+        since ``scale_loss`` (None, another tensor) makes the others real first, and the step
+        applies what each master holds, as the unfused step would."""
+        groups = amp_opt.groups()
+        if amp_opt.grad_state == CHECKED and master_grads.written(groups):
+            self.materialize(amp_opt)
         from_masters = amp_opt.grad_state == UNSCALED
         inv = amp_opt.pending.inv if amp_opt.grad_state == CHECKED else 1.0
-        clip, self.clip = self.clip, None
+        # Kept after the step: the gradients a read after it makes are the ones applied.
+        clip = self.clip
         state = watch_state(self.optimizer)   # before the buckets, which key on its identity
         buckets = self.buckets()
         # Per device: the inverse scale of the half gradients (CHECKED: still scaled), that of
@@ -241,7 +251,8 @@ class FusedStep:
                 own_inv = clip[0].to(device)
                 flag = torch.maximum(flag, clip[1].to(device))
             scalars[device] = (half_inv, own_inv, flag)
-        grads = {id(b): [p.grad for p in b.masters] if from_masters else None for b in buckets}
+        grads = {id(b): [master_grads.resolve(p.grad) for p in b.masters] if from_masters
+                 else None for b in buckets}
         grad_norms = None
         if self.update_class is LambUpdate:   # one norm of all true gradients, every group
             grad_norms = _lamb_norms(buckets, grads, scalars)
@@ -252,6 +263,11 @@ class FusedStep:
                 (grad_norms.get(bucket.device, torch.zeros(1, device=bucket.device)),)
             bucket.update(state, half_inv if bucket.with_half else own_inv, flag, hyper, *extra,
                           grads=grads[id(bucket)])
+        # The fp32 buffer of the masters' gradients goes back after a step that used none.
+        if not self.made:
+            for group in groups.values():
+                group.release_master_grad_buffers()
+        self.made = False
 
     def _scalar(self, device: torch.device, name: str, value) -> torch.Tensor:
         """``value`` as a 1-element fp32 tensor on ``device``: a device tensor as it is, a host
@@ -294,30 +310,41 @@ class FusedStep:
     def materialize(self, amp_opt) -> None:
         """CHECKED -> UNSCALED: unscale the pending gradients (already checked) into the masters'
         fp32 gradients, an O2 master's in a reused buffer, an fp32 parameter's in place; a clip
-        coefficient of ``clip_grad_norm_`` is applied with it."""
+        coefficient of ``clip_grad_norm_`` is applied with it. Before or after the step (the
+        gradients a step applied, as the unfused step leaves them). A master whose ``.grad`` user
+        code replaced keeps what it was given; one whose half gradient was cleared gets None.
+        Never makes an inference tensor, also when first used under ``torch.inference_mode``."""
         if amp_opt.grad_state != CHECKED:
             return
         inv = amp_opt.pending.inv
         clip, self.clip = self.clip, None
-        for device, group in amp_opt.groups().items():
-            factor = inv if clip is None else \
-                (torch.as_tensor(inv, dtype=torch.float32, device=device).reshape(1)
-                 * clip[0].to(device))
-            sink = group.scratch_flag()
-            own = present_grads(group.own_masters)
-            if own and clip is not None:   # true since the block's end: only the clip
-                fused_scale(own, own, clip[0].to(device), sink)
-            halves, outs = [], []
-            for model_param, master, buffer in zip(group.half_models, group.half_masters,
-                                                   group.master_grad_buffers()):
-                if model_param.grad is not None:
-                    master.grad = buffer
+        with torch.no_grad():   # (the buffer is never made an inference tensor: masters.py)
+            for device, group in amp_opt.groups().items():
+                factor = inv if clip is None else \
+                    (torch.as_tensor(inv, dtype=torch.float32, device=device).reshape(1)
+                     * clip[0].to(device))
+                sink = group.scratch_flag()
+                own = present_grads(group.own_masters)
+                if own and clip is not None:   # true since the block's end: only the clip
+                    fused_scale(own, own, clip[0].to(device), sink)
+                if not group.half_masters or group.pending is None:
+                    continue
+                halves, outs = [], []
+                for i, (model_param, master, buffer) in enumerate(zip(
+                        group.half_models, group.half_masters, group.master_grad_buffers())):
+                    if master.grad is not group.pending[i]:
+                        continue   # what user code gave it stays
+                    if model_param.grad is None:
+                        master.grad = None   # its half gradient was cleared since
+                        continue
+                    master_grads.made(group, i, buffer)
                     halves.append(model_param.grad)
                     outs.append(buffer)
-            if halves:
-                fused_scale(halves, outs, factor, sink)
+                if halves:
+                    fused_scale(halves, outs, factor, sink)
         amp_opt.grad_state = UNSCALED
         amp_opt.pending = None
+        self.made = True
 
     def clip_grad_norm_(self, amp_opt, max_norm: float, norm_type: float) -> torch.Tensor:
         """On CHECKED gradients and the 2-norm: one fused norm over the scaled gradients, the
@@ -362,6 +389,24 @@ class FusedStep:
 
     def invalidate(self) -> None:
         self._buckets = None
+
+    def zero_grad(self, amp_opt, set_to_none: bool, original) -> None:
+        """``optimizer.zero_grad``: torch's own over the masters, but a pending gradient is never
+        made only to be zeroed: set to None first, then (``set_to_none=False``) every master
+        that had a gradient reads as zeros, as on the unfused step, without fp32 zeros held."""
+        if set_to_none:
+            original(set_to_none=True)
+            return
+        had = {}
+        for device, group in amp_opt.groups().items():
+            indices = [i for i, master in enumerate(group.half_masters)
+                       if master.grad is not None]
+            for i in indices:
+                group.half_masters[i].grad = None
+            had[device] = indices
+        original(set_to_none=False)
+        for device, group in amp_opt.groups().items():
+            master_grads.zero(group, had.get(device, ()))
 
 
 
