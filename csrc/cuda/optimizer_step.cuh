@@ -89,7 +89,7 @@ inline void check_steps(const char* op, at::TensorList steps, at::TensorList par
                 s.numel(), " elements");
   }
   if (!counts_written) return;
-  checks::check_own_step_counts(op, steps.size(), [&](size_t i) {
+  checks::check_own_step_counts(op, steps.size(), device, [&](size_t i) {
     return reinterpret_cast<uintptr_t>(steps[i].const_data_ptr());
   });
 }
