@@ -1594,7 +1594,7 @@ def test_backends_agree(monkeypatch, cls, kwargs):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
-def test_one_group_on_two_devices_is_stepped_per_device():
+def test_one_group_on_cpu_and_cuda_is_stepped_per_device():
     """A group with parameters on the CPU and on CUDA: one fused call per device, LAMB's global
     norm over both."""
     cpu, gpu = make_params([(33,)]), [p.detach().cuda().requires_grad_()
