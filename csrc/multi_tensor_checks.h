@@ -47,6 +47,18 @@ inline std::string python_shape(at::IntArrayRef sizes) {
   return text + (sizes.size() == 1 ? ",)" : ")");
 }
 
+// Whether t is dense with like's sizes and strides (dims of size 1 aside, whose strides mean
+// nothing): the two put each element at the same offset from their first address, so a kernel
+// may walk them as flat arrays together (channels_last parameters with their gradients and
+// state, as torch makes them). apex_lite/multi_tensor/_layout.py's laid_out_as.
+inline bool laid_out_as(const at::Tensor& t, const at::Tensor& like) {
+  if (t.sizes() != like.sizes() || !t.is_non_overlapping_and_dense()) return false;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) != 1 && t.stride(d) != like.stride(d)) return false;
+  }
+  return true;
+}
+
 // A list argument and the name the messages give it.
 struct NamedList {
   const char* name;

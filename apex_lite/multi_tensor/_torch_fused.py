@@ -45,6 +45,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from . import _checks, _python
+from ._layout import dense
 
 Tensors = Sequence[torch.Tensor]
 
@@ -182,7 +183,7 @@ class _Chunk:
                 self.params.append(p)
                 for mine, state in zip(self.states, states):
                     mine.append(state[i])
-                if _dense(p) and all(state[i].stride() == p.stride() for state in states):
+                if dense(p) and all(state[i].stride() == p.stride() for state in states):
                     self.outs.append(buffer.as_strided(p.shape, p.stride(), offset))
                 else:
                     self.staged.append(k)
@@ -215,18 +216,6 @@ class _Chunk:
                     original[k].copy_(copy[k])
         if self.models:
             torch._foreach_copy_(self.models, self.params)
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """Whether ``t`` covers its memory without gaps or overlaps, in some order of its dims."""
-    if t.is_contiguous():
-        return True
-    expected = 1
-    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def _numel(t: torch.Tensor, part: Optional[slice]) -> int:
