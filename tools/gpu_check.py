@@ -281,8 +281,8 @@ class GpuCheck:
             return
         tool = find_cuda_tool("compute-sanitizer")
         text = []
-        for check, extra, timeout in (("memcheck", [], 240),
-                                      ("racecheck", ["--only", SANITIZER_GROUPS_RACECHECK], 200)):
+        for check, extra, timeout in (("memcheck", [], 180),
+                                      ("racecheck", ["--only", SANITIZER_GROUPS_RACECHECK], 120)):
             title = f"compute-sanitizer {check}"
             if tool is None:
                 self.part(check, title, "skipped", summary="compute-sanitizer was not found "
