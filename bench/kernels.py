@@ -8,16 +8,21 @@ The floor is one multithreaded pass over one flat tensor holding the same bytes 
   has no single flat op that converts and multiplies in one pass).
 
 Columns: floor; torch (``torch._amp_foreach_non_finite_check_and_unscale_``, for the bf16 case a
-``torch._foreach_copy_`` into the masters first); native and python (``apex_lite.multi_tensor.scale``
-on each backend, argument validation included); native op (the bare ``torch.ops.apex_lite`` call,
-to show what validation costs). Every repetition runs each column once, in turn; the table shows
-medians. Scales alternate between 0.5 and 2.0 so values neither drift nor turn subnormal.
+``torch._foreach_copy_`` into the masters first); torch foreach (``torch._foreach_mul_``, no
+inf/NaN check: the fastest unchecked multi-tensor op torch has); native and python
+(``apex_lite.multi_tensor.scale`` on each backend, argument validation included); native op (the
+bare ``torch.ops.apex_lite`` call, to show what validation costs). Every repetition runs each
+column once, in turn; the table shows medians. Scales alternate between 0.5 and 2.0 so values
+neither drift nor turn subnormal. On a GPU the device-to-device copy bandwidth is measured first,
+and "x copy" is each median over the time that copy takes for the bytes the workload must move.
 
     python bench/kernels.py [--device cuda] [--reps 7] [--only 1,2,3] [--columns floor,native]
+    python bench/kernels.py --device cuda --quick --json kernels.json    # tools/gpu_check.sh
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -62,8 +67,10 @@ def make_workload(index: int, device: torch.device):
         def bare(s):
             torch.ops.apex_lite.scale_.default(grads, s, found_inf)
 
-        columns = {"floor": lambda s: flat.mul_(s), "torch": torch_op, "native": api,
+        columns = {"floor": lambda s: flat.mul_(s), "torch": torch_op,
+                   "torch foreach": lambda s: torch._foreach_mul_(grads, s), "native": api,
                    "python": api, "native op": bare}
+        moved = 8 * total   # fp32 read and written
     else:
         total, count = 50_000_000, 200
         title = f"{count} bf16 grads, {total / 1e6:g}M elements, unscaled into fp32 master grads"
@@ -83,9 +90,14 @@ def make_workload(index: int, device: torch.device):
         def bare(s):
             torch.ops.apex_lite.scale_out.default(grads, masters, s, found_inf)
 
-        columns = {"floor": lambda s: flat_out.copy_(flat_in), "torch": torch_op, "native": api,
-                   "python": api, "native op": bare}
-    return title, columns
+        def foreach(s):
+            torch._foreach_copy_(masters, grads)
+            torch._foreach_mul_(masters, s)
+
+        columns = {"floor": lambda s: flat_out.copy_(flat_in), "torch": torch_op,
+                   "torch foreach": foreach, "native": api, "python": api, "native op": bare}
+        moved = 6 * total   # bf16 read, fp32 written
+    return title, columns, moved
 
 
 def timed(fn, scale, device) -> float:
@@ -111,9 +123,13 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--only", default="1,2,3", help="comma-separated workload numbers")
-    parser.add_argument("--columns", default="floor,torch,native,python,native op",
+    parser.add_argument("--columns", default="floor,torch,torch foreach,native,python,native op",
                         help="comma-separated columns to measure (floor is always measured)")
+    parser.add_argument("--quick", action="store_true", help="5 repetitions (tools/gpu_check.sh)")
+    parser.add_argument("--json", help="also write the medians and ratios here")
     args = parser.parse_args()
+    if args.quick:
+        args.reps = 5
     device = torch.device(args.device)
 
     use_backend("native")
@@ -123,12 +139,16 @@ def main() -> None:
     if native != "native":
         print("the native columns need the extension (build it with --cpp_ext); stopping")
         sys.exit(1)
-    if device.type == "cuda":
-        print(f"device-to-device copy: {copy_bandwidth(device, args.reps):.0f} GB/s")
+    bandwidth = copy_bandwidth(device, args.reps) if device.type == "cuda" else None
+    if bandwidth:
+        print(f"device-to-device copy: {bandwidth:.0f} GB/s")
+    record = {"device": str(device), "device_name": _device_name(device),
+              "torch": torch.__version__, "reps": args.reps, "copy_gbps": bandwidth,
+              "workloads": {}}
 
-    print(f"{'workload':<72} {'column':>10} {'median ms':>10} {'x floor':>8}")
+    print(f"{'workload':<72} {'column':>13} {'median ms':>10} {'x floor':>8} {'x copy':>7}")
     for index in (int(i) for i in args.only.split(",")):
-        title, columns = make_workload(index, device)
+        title, columns, moved = make_workload(index, device)
         wanted = {"floor"} | set(args.columns.split(","))
         columns = {name: fn for name, fn in columns.items() if name in wanted}
         times = {name: [] for name in columns}
@@ -140,11 +160,23 @@ def main() -> None:
                 if rep:
                     times[name].append(elapsed)
         floor = statistics.median(times["floor"])
+        copy_time = moved / (bandwidth * 1e9) if bandwidth else None
+        rows = record["workloads"][title] = {}
         for name, samples in times.items():
             median = statistics.median(samples)
-            print(f"{title:<72} {name:>10} {median * 1e3:>10.2f} {median / floor:>8.2f}")
+            x_copy = median / copy_time if copy_time else None
+            rows[name] = {"ms": median * 1e3, "x_floor": median / floor, "x_copy": x_copy}
+            print(f"{title:<72} {name:>13} {median * 1e3:>10.2f} {median / floor:>8.2f} "
+                  f"{'-' if x_copy is None else f'{x_copy:.2f}':>7}")
         del columns
     use_backend("native")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=1)
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 if __name__ == "__main__":

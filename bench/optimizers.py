@@ -49,11 +49,13 @@ Every repetition runs each variant once, in a shuffled order; the table shows me
 repetition (warm-up, state allocation) is dropped. GB/s is the ideal step's bytes over the time.
 
     python bench/optimizers.py [--device cuda] [--reps 7] [--threads N] [--only 1,2]
+    python bench/optimizers.py --device cuda --quick --json optimizers.json   # gpu_check.sh
     python bench/optimizers.py --smoke          # tiny sizes, seconds: keeps this file working
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import random
@@ -284,12 +286,17 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, help="torch threads on CPU (default: torch's)")
     parser.add_argument("--only", default="1,2", help="comma-separated workload numbers")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, 2 repetitions")
+    parser.add_argument("--quick", action="store_true",
+                        help="3 repetitions of the full sizes (tools/gpu_check.sh)")
+    parser.add_argument("--json", help="also write the medians and ratios here")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.smoke:
         args.reps = 2
+    elif args.quick:
+        args.reps = 3
 
     ops = _backend.ops_for(device)
     name, why = _backend.backend(device)
@@ -323,6 +330,14 @@ def main(argv=None) -> int:
         print(f"target: O2 adamw ours <= 1.6x its floor ({workloads[2][0]}): "
               f"{ratios['O2 adamw ours']:.2f} {_verdict(ratios['O2 adamw ours'], 1.6)}")
     _report_adagrad_novograd(results, workloads, device.type == "cpu")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": str(device), "torch": torch.__version__, "reps": args.reps,
+                       "backend": f"{name} ({why})",
+                       "workloads": {workloads[i][0]: {"x_floor": dict(ratios),
+                                                       "ms": {k: v * 1e3
+                                                              for k, v in medians.items()}}
+                                     for i, (ratios, medians) in results.items()}}, f, indent=1)
     return 0
 
 

@@ -86,6 +86,9 @@ PRESETS: Dict[str, Dict[str, dict]] = {
         "steps": dict(warmup=1, rounds=2, per_round=2, final_window=2),
     },
 }
+# The gpu preset's sizes with a fifth of its timed steps: tools/gpu_check.sh's short run.
+PRESETS["gpu-quick"] = dict(PRESETS["gpu"],
+                            steps=dict(warmup=5, rounds=4, per_round=5, final_window=5))
 
 
 # ----------------------------------------------------------------------------- workloads
@@ -606,7 +609,7 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     p.add_argument("--preset", choices=sorted(PRESETS),
                    help="sizes: cpu (default on CPU), gpu (default on CUDA: the recipe's full "
-                        "sizes), smoke (tiny)")
+                        "sizes), gpu-quick (gpu's sizes, fewer steps), smoke (tiny)")
     p.add_argument("--smoke", action="store_true", help="same as --preset smoke")
     p.add_argument("--workloads", default=",".join(WORKLOADS),
                    help=f"comma-separated subset of {','.join(WORKLOADS)}")

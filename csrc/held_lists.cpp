@@ -28,7 +28,8 @@
 //
 // A step returns false, having done nothing, when a gradient is not one this path takes: absent
 // (the caller skips such parameters and needs lists without them), not a dense strided tensor,
-// not contiguous (the CUDA path stages such tensors in Python), of another dtype than fp32, fp16
+// not laid out as its parameter (checks::laid_out_as; the list path stages such tensors), of
+// another dtype than fp32, fp16
 // or bf16, or on another device than its parameter. The caller then takes the list path, which
 // handles or refuses it with its own message. The op's own errors (a parameter whose shape
 // changed under its state, through .data) are raised before it writes anything, as on the list
@@ -205,7 +206,7 @@ class HeldLists : public torch::CustomClassHolder {
           __builtin_prefetch(sources_[i + kAhead].grad().unsafeGetTensorImpl());
         }
         const at::Tensor& g = sources_[i].grad();
-        if (!g.defined() || g.layout() != at::kStrided || !g.is_contiguous() ||
+        if (!g.defined() || g.layout() != at::kStrided || !checks::laid_out_as(g, params_[i]) ||
             !checks::is_supported_dtype(g.scalar_type()) || g.device() != device_) {
           usable.store(false, std::memory_order_relaxed);
           return;

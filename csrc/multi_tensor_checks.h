@@ -47,6 +47,18 @@ inline std::string python_shape(at::IntArrayRef sizes) {
   return text + (sizes.size() == 1 ? ",)" : ")");
 }
 
+// Whether t is dense with like's sizes and strides (dims of size 1 aside, whose strides mean
+// nothing): the two put each element at the same offset from their first address, so a kernel
+// may walk them as flat arrays together (channels_last parameters with their gradients and
+// state, as torch makes them). apex_lite/multi_tensor/_layout.py's laid_out_as.
+inline bool laid_out_as(const at::Tensor& t, const at::Tensor& like) {
+  if (t.sizes() != like.sizes() || !t.is_non_overlapping_and_dense()) return false;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) != 1 && t.stride(d) != like.stride(d)) return false;
+  }
+  return true;
+}
+
 // A list argument and the name the messages give it.
 struct NamedList {
   const char* name;
@@ -327,22 +339,24 @@ inline void check_reduction(at::TensorList tensors) {
 // one buffer are distinct counts (apex_multi_tensor.py passes those). _checks.check_own_step_counts
 // makes the same check for the Python backend.
 
-// Raises the error for steps[j] at the address of the earlier steps[i].
-inline void refuse_shared_step(const char* op, size_t i, size_t j) {
+// Raises the error for steps[j] at the address of the earlier steps[i], on `device` (named in
+// the fix: a count made without it would be on the CPU, which a CUDA kernel refuses).
+inline void refuse_shared_step(const char* op, size_t i, size_t j, const c10::Device& device) {
   TORCH_CHECK_VALUE(false, "apex_lite::", op, ": steps[", j, "] shares its memory with steps[", i,
                     "]: each parameter needs a step count of its own (a shared count would "
                     "advance once per parameter in a step, and their bias corrections would "
                     "depend on the order they are stepped in). Give each parameter its own "
-                    "tensor: torch.zeros((), dtype=torch.float32) per parameter, or a clone() of "
-                    "the shared one.");
+                    "tensor: torch.zeros((), dtype=torch.float32, device='", device.str(),
+                    "') per parameter, or a clone() of the shared one.");
 }
 
-// Refuses two of n step counts at one address (address(k): where steps[k]'s element is). Names
-// the lowest j whose address an earlier index holds, and the first index i that holds it, as
-// _checks.check_own_step_counts does. One scan when the addresses rise with the index (counts
-// allocated one after the other, the common case), else a sort.
+// Refuses two of n step counts at one address (address(k): where steps[k]'s element is) on
+// `device`. Names the lowest j whose address an earlier index holds, and the first index i that
+// holds it, as _checks.check_own_step_counts does. One scan when the addresses rise with the
+// index (counts allocated one after the other, the common case), else a sort.
 template <typename Address>
-inline void check_own_step_counts(const char* op, size_t n, Address&& address) {
+inline void check_own_step_counts(const char* op, size_t n, const c10::Device& device,
+                                  Address&& address) {
   uintptr_t previous = 0;
   size_t k = 0;
   for (; k < n; ++k) {
@@ -363,7 +377,7 @@ inline void check_own_step_counts(const char* op, size_t n, Address&& address) {
       second = sorted[k].second;
     }
   }
-  if (second < n) refuse_shared_step(op, first, second);
+  if (second < n) refuse_shared_step(op, first, second, device);
 }
 
 }  // namespace checks

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
+import shutil
 import stat
 import subprocess
 import sys
@@ -95,3 +97,62 @@ def test_cpu_arch_override(setup_module_, monkeypatch, value, expected):
     monkeypatch.setenv("APEX_LITE_CPU_ARCH", value)
     assert setup_module_.cpu_arch() == value
     assert setup_module_.cpu_arch_flags(value)[:len(expected)] == expected
+
+
+# ---- the torch floor, the wheel tool, the build record (issue 44) -----------------------------
+
+@pytest.mark.parametrize("version,native", [("2.4.1", False), ("2.3.1+cu121", True)])
+def test_a_torch_below_the_floor_stops_at_once_naming_the_versions(setup_module_, version,
+                                                                   native):
+    floor = ".".join(map(str, setup_module_.TORCH_FLOOR))
+    with pytest.raises(SystemExit, match=rf"torch {re.escape(version)} is installed, but .* "
+                                         rf"need torch {floor} or newer"):
+        setup_module_.check_torch_version(version, native)
+
+
+@pytest.mark.parametrize("version", [None, "2.5.0", "2.5.1+cu124", "2.15.0", "3.0.0a0"])
+def test_the_floor_and_newer_torch_pass(setup_module_, version):
+    setup_module_.check_torch_version(version, True)
+
+
+def test_the_floor_is_what_install_requires_and_the_readme_say(setup_module_):
+    floor = ".".join(map(str, setup_module_.TORCH_FLOOR))
+    assert f'TORCH_FLOOR[0]}}.{{TORCH_FLOOR[1]}}"' in open(os.path.join(ROOT, "setup.py")).read()
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    assert f"torch {floor} or newer" in readme
+
+
+@pytest.mark.parametrize("command", ["bdist_wheel", "dist_info"])
+def test_a_wheel_build_without_the_wheel_tool_is_named(setup_module_, command):
+    with pytest.raises(SystemExit, match=r"setuptools 65\.5\.0 needs the 'wheel' package.*"
+                                         r"pip install wheel"):
+        setup_module_.check_wheel_tool(["setup.py", command], "65.5.0", False)
+    setup_module_.check_wheel_tool(["setup.py", command], "65.5.0", True)
+    setup_module_.check_wheel_tool(["setup.py", command], "70.1.0", False)
+    setup_module_.check_wheel_tool(["setup.py", "build_ext"], "65.5.0", False)
+
+
+def _tiny_tree(tmp_path, source):
+    """setup.py with one C++ source and an empty package: a native build in seconds."""
+    (tmp_path / "csrc").mkdir()
+    (tmp_path / "csrc" / "one.cpp").write_text(source)
+    (tmp_path / "apex_lite").mkdir()
+    (tmp_path / "apex_lite" / "__init__.py").write_text("")
+    shutil.copy(os.path.join(ROOT, "setup.py"), tmp_path / "setup.py")
+    environment = dict(os.environ, APEX_LITE_CPP_EXT="1", MAX_JOBS="1",
+                       APEX_LITE_CPU_ARCH="default")
+    return subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=tmp_path,
+                          env=environment, capture_output=True, text=True, timeout=300)
+
+
+def test_a_failed_native_build_leaves_no_build_record(tmp_path):
+    done = _tiny_tree(tmp_path, "#error this build fails\n")
+    assert done.returncode != 0
+    assert not (tmp_path / "apex_lite" / "_build_info.py").exists()
+
+
+def test_a_native_build_records_itself_once_built(tmp_path):
+    done = _tiny_tree(tmp_path, "int apex_lite_tiny() { return 0; }\n")
+    assert done.returncode == 0, done.stderr[-2000:]
+    record = (tmp_path / "apex_lite" / "_build_info.py").read_text()
+    assert f"TORCH_VERSION = {torch.__version__!r}" in record

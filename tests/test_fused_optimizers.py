@@ -33,8 +33,9 @@ from torch.optim.optimizer import required
 import apex_lite.optimizers._optimizer as optimizer_module
 import apex_lite.optimizers.update as update_module
 from apex_lite.multi_tensor import _backend, _torch_fused
-from apex_lite.optimizers import (AdamHyper, AdamUpdate, FusedAdam, FusedLAMB, FusedSGD,
-                                  FusedUpdate, SGDHyper, SGDUpdate, unit_scalars)
+from apex_lite.optimizers import (AdamHyper, AdamUpdate, FusedAdagrad, FusedAdam, FusedLAMB,
+                                  FusedNovoGrad, FusedSGD, FusedUpdate, SGDHyper, SGDUpdate,
+                                  unit_scalars)
 from apex_lite.optimizers import fusable
 
 STEPS = 50
@@ -268,7 +269,8 @@ def test_a_parameter_listed_twice_in_a_group_is_refused():
         FusedAdam([p, p])
 
 
-@pytest.mark.parametrize("cls", [FusedAdam, FusedLAMB], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", [FusedAdam, FusedLAMB, FusedNovoGrad, FusedAdagrad],
+                         ids=lambda c: c.__name__)
 def test_a_step_count_shared_by_two_parameters_is_refused(cls):
     """One step tensor in two parameters' state (issue 33) would advance once per parameter and
     give them bias corrections that depend on the order they are stepped in: refused, naming the
@@ -1592,7 +1594,7 @@ def test_backends_agree(monkeypatch, cls, kwargs):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
-def test_one_group_on_two_devices_is_stepped_per_device():
+def test_one_group_on_cpu_and_cuda_is_stepped_per_device():
     """A group with parameters on the CPU and on CUDA: one fused call per device, LAMB's global
     norm over both."""
     cpu, gpu = make_params([(33,)]), [p.detach().cuda().requires_grad_()

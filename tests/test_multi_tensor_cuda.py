@@ -394,3 +394,36 @@ def test_tensor_above_2_pow_31_elements():
     assert x[:tail].eq(0.75).all().item()
     assert x[tail:-1].eq(1.5).all().item()
     assert x[-1].item() == float("inf")
+
+
+# ---- tensors on a GPU that is not the current device (issue 44) ---------------------------------
+
+def _two_gpus():
+    count = torch.cuda.device_count()
+    if count < 2:
+        pytest.skip(f"needs two CUDA GPUs (this host has {count}): the device guards for tensors "
+                    f"on a non-current device stay unchecked")
+
+
+def test_ops_on_a_non_current_cuda_device_run_there():
+    """Each op runs on its tensors' device whatever the current device is (the kernels' device
+    guards): the same results on cuda:1 with cuda:0 current as on cuda:0."""
+    _two_gpus()
+
+    def run(device):
+        g = torch.Generator().manual_seed(0)
+        xs = [torch.randn(n, generator=g).to(device) for n in (555, CHUNK + 1, 3)]
+        xs[1][7] = float("inf")
+        found_inf = torch.zeros(1, device=device)
+        outs = [torch.empty_like(x) for x in xs]
+        native.scale_out(xs, outs, 0.5, found_inf)
+        native.axpby_(xs, outs, 2.0, -1.0, found_inf)
+        total, per_tensor = native.l2norm(outs[:1] + outs[2:], True)
+        flags = native.nonfinite_flags(xs)
+        return [t.cpu() for t in outs + [found_inf, total, per_tensor, flags]]
+
+    on_current = run(torch.device("cuda:0"))
+    with torch.cuda.device(0):
+        elsewhere = run(torch.device("cuda:1"))
+    for a, b in zip(elsewhere, on_current):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)

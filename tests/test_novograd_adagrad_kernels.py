@@ -52,8 +52,9 @@ KINDS = ["novograd", "adagrad"]
 def ref_norm(g, norm_type) -> float:
     if g.numel() == 0:
         return 0.0
-    if norm_type == 0:
-        return float(g.abs().max())
+    if norm_type == 0:   # apex's fmaxf: NaN elements passed over, 0 when all are NaN
+        finite_or_inf = g[~g.isnan()]
+        return float(finite_or_inf.abs().max()) if finite_or_inf.numel() else 0.0
     return f32(math.sqrt(float((g * g).sum())))
 
 

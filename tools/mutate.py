@@ -228,7 +228,7 @@ MUTATIONS: List[Mutation] = [
       "    return t.view(-1)[part.start:max(part.start, part.stop - 1)]\n",
       ["test_torch_fused_route.py::test_adam_matches_the_reference_across_chunks"]),
     M("torch-route-state-layout-not-staged",
-      "if _dense(p) and all(state[i].stride() == p.stride() for state in states):",
+      "if dense(p) and all(state[i].stride() == p.stride() for state in states):",
       "if True:",
       ["test_torch_fused_route.py::"
        "test_state_laid_out_unlike_its_parameter_is_paired_element_for_element"]),
@@ -331,6 +331,37 @@ MUTATIONS: List[Mutation] = [
       "            run.model_writes.sync(compare_all=True)\n        truths",
       "            run.model_writes.sync()\n        truths",
       ["test_amp_model_writes.py::test_a_checkpoint_holds_an_in_place_write_through_data"]),
+    # issue 44: chunks by device, one shared-count rule, NovoGrad's NaN, one layout per parameter.
+    M("i44-gpu-chunks-sized-for-the-cpu",
+      'return CHUNK_ELEMENTS if torch.device(device).type == "cpu" else GPU_CHUNK_ELEMENTS',
+      "return CHUNK_ELEMENTS", ["test_torch_fused_chunks.py"]),
+    M("i44-python-novograd-shares-counts",
+      '    _checks.check_own_step_counts("fused_novograd_", steps)\n', "",
+      ["test_step_count_and_nan_rules.py::test_a_shared_step_count_is_refused"],
+      k="novograd", backends=("python",)),
+    M("i44-python-adagrad-shares-counts",
+      '_checks.check_own_step_counts("fused_adagrad_", steps)\n    if not params:\n        return\n'
+      '    g = _true_grads(grads, inv_scale)',
+      'pass\n    if not params:\n        return\n    g = _true_grads(grads, inv_scale)',
+      ["test_step_count_and_nan_rules.py::test_a_shared_step_count_is_refused"],
+      k="adagrad", backends=("python",)),
+    M("i44-torch-route-adagrad-shares-counts",
+      '_checks.check_own_step_counts("fused_adagrad_", steps)\n    if not params:\n        return\n'
+      '    if not serves_adagrad(',
+      'pass\n    if not params:\n        return\n    if not serves_adagrad(',
+      ["test_step_count_and_nan_rules.py::test_torch_kernels_route_refuses_a_shared_adagrad_count"]),
+    M("i44-shared-count-fix-names-no-device",
+      "dtype=torch.float32, device='{steps[j].device}') per parameter, or a clone() \"\n",
+      "dtype=torch.float32) per parameter, or a clone() \"\n",
+      ["test_step_count_and_nan_rules.py"], k="shared", backends=("python",)),
+    M("i44-python-novograd-inf-norm-propagates-nan",
+      '            torch.nan_to_num_(t, nan=0.0, posinf=float("inf"))', "            pass",
+      ["test_step_count_and_nan_rules.py::test_novograd_inf_norm_passes_nan_over"],
+      backends=("python",)),
+    M("i44-channels-last-staged-on-the-cuda-path",
+      "return laid_out_as(t, p) or (t.numel() == 1 and t.shape != p.shape)",
+      "return t.is_contiguous() and (laid_out_as(t, p) or (t.numel() == 1 "
+      "and t.shape != p.shape))", ["test_layouts.py"]),
 ]
 
 

@@ -101,7 +101,7 @@ def kernels_for(optimizer: torch.optim.Optimizer, device: torch.device):
         return "native kernels", None
     if not fusable.torch_kernels_reason(optimizer):
         return (f"torch's fused kernels, half gradients converted to fp32 "
-                f"{_torch_fused.CHUNK_ELEMENTS >> 18} MiB at a time", _torch_fused)
+                f"{_torch_fused.chunk_elements(device) >> 18} MiB at a time", _torch_fused)
     return "the Python reference of the kernels", None
 
 

@@ -174,9 +174,14 @@ def check_own_step_counts(op: str, steps: Tensors) -> None:
     """Refuse a step count shared by two parameters: at one address (the same tensor, or views of
     one element; distinct elements of one buffer are distinct counts). A shared count would
     advance once per parameter in a step, and their bias corrections would depend on the order
-    they are stepped in. Names the lowest j whose address an earlier index holds, and the first
-    such index i: the same check, message and pair as csrc/multi_tensor_checks.h's. Reads
-    addresses only (no device work)."""
+    they are stepped in. Every op that advances step counts makes this check, on every backend
+    (the native kernels, this backend, torch's kernels' route). Names the lowest j whose address
+    an earlier index holds, and the first such index i, and the counts' device in the fix: the
+    same check, message and pair as csrc/multi_tensor_checks.h's. Reads addresses only (no
+    device work).
+
+    Raises:
+        ValueError: two counts share an element."""
     addresses = list(map(_data_ptr, steps))
     if len(set(addresses)) == len(addresses):
         return
@@ -189,7 +194,8 @@ def check_own_step_counts(op: str, steps: Tensors) -> None:
                 f"needs a step count of its own (a shared count would advance once per parameter "
                 f"in a step, and their bias corrections would depend on the order they are "
                 f"stepped in). Give each parameter its own tensor: torch.zeros((), "
-                f"dtype=torch.float32) per parameter, or a clone() of the shared one.")
+                f"dtype=torch.float32, device='{steps[j].device}') per parameter, or a clone() "
+                f"of the shared one.")
 
 
 # --- the checks of each call --------------------------------------------------------------------

@@ -10,8 +10,11 @@ Two sets, one per staging policy for non-contiguous tensors:
   that writes is checked here first (``_checks``, all the op's checks in its order, with its
   argument names), on the caller's tensors. Staging copies every non-contiguous tensor; the
   checks' Python loop is small beside that, and the common, contiguous path does not run it.
-The fused optimizer ops stage every list they write (parameters, state, model parameters)
-through contiguous copies of its current values, and copy them all back: a skipped step
+The fused optimizer ops take, without copies, a parameter whose tensors (parameter, gradient,
+state, model parameter) share one dense layout (``_layout.laid_out_as``: channels_last
+parameters with their gradients and state, as torch makes them); a parameter whose tensors do
+not, they stage: every tensor of that parameter through a contiguous copy of its current
+values, copied back after the step (parameters, state, model parameters): a skipped step
 (``found_inf`` not 0, which the kernels read on the device) writes nothing into the copies, so
 the copy back leaves the caller's tensors as they were, bit for bit, without the host reading
 ``found_inf``. Fresh, uninitialised buffers serve only outputs the kernel writes in full whatever
@@ -32,6 +35,7 @@ from typing import List, Sequence, Tuple
 import torch
 
 from . import _checks
+from ._layout import dense, laid_out_as
 
 Tensors = Sequence[torch.Tensor]
 
@@ -166,36 +170,46 @@ def nonfinite_flags(tensors: Tensors) -> torch.Tensor:
     return _nonfinite_flags(tensors)
 
 
+def _shared_layouts(params: Tensors, others: Sequence[Tensors]) -> List[bool]:
+    """Per parameter: whether it and its tensors in ``others`` (lists aligned with ``params``,
+    or empty) share one dense layout, which the CUDA kernels step without copies. A
+    per-parameter scalar (a step count, NovoGrad's second moment: one element, another shape)
+    has no layout to share."""
+    def follows(t: torch.Tensor, p: torch.Tensor) -> bool:
+        return laid_out_as(t, p) or (t.numel() == 1 and t.shape != p.shape)
+    return [dense(p) and all(not tensors or follows(tensors[i], p) for tensors in others)
+            for i, p in enumerate(params)]
+
+
+def _step_staged(op, lists: Sequence[Tensors], written: Sequence[int], *rest) -> None:
+    """``op(*lists, *rest)`` with the lists (aligned per parameter; ``written`` their indices
+    that the op writes) as the CUDA kernels take them: every tensor of a parameter whose tensors
+    share one dense layout as it is, the others' through contiguous copies of their current
+    values (a skipped step leaves them unwritten), copied back after."""
+    if all(_contiguous(tensors) for tensors in lists):
+        op(*lists, *rest)
+        return
+    shared = _shared_layouts(lists[0], lists[1:])
+    staged = [[t if keep else t.contiguous() for t, keep in zip(tensors, shared)]
+              if tensors else tensors for tensors in lists]
+    op(*staged, *rest)
+    for k in written:
+        _copy_back(lists[k], staged[k])
+
+
 def fused_sgd_(params: Tensors, grads: Tensors, momentum_buffers: Tensors, model_params: Tensors,
                *rest) -> None:
     """SGD step; see csrc/ops.cpp."""
-    if _contiguous(params) and _contiguous(grads) and _contiguous(momentum_buffers) \
-            and _contiguous(model_params):
-        _fused_sgd_(params, grads, momentum_buffers, model_params, *rest)
-        return
-    staged_params = _read_copies(params)
-    staged_buffers = _read_copies(momentum_buffers)
-    staged_models = _read_copies(model_params)   # a skipped step leaves them unwritten
-    _fused_sgd_(staged_params, _read_copies(grads), staged_buffers, staged_models, *rest)
-    for targets, buffers in ((params, staged_params), (momentum_buffers, staged_buffers),
-                             (model_params, staged_models)):
-        _copy_back(targets, buffers)
+    _step_staged(_fused_sgd_, (params, grads, momentum_buffers, model_params), (0, 2, 3), *rest)
 
 
 def _adam_like(op):
     def step(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors,
              model_params: Tensors, steps: Tensors, *rest) -> None:
-        lists = (params, grads, exp_avgs, exp_avg_sqs, model_params)
-        if all(_contiguous(tensors) for tensors in lists):
+        def call(params, grads, exp_avgs, exp_avg_sqs, model_params, *rest):
             op(params, grads, exp_avgs, exp_avg_sqs, model_params, steps, *rest)
-            return
-        # Every list with its current values: a skipped step leaves them all unwritten.
-        staged = [_read_copies(params), _read_copies(grads), _read_copies(exp_avgs),
-                  _read_copies(exp_avg_sqs), _read_copies(model_params)]
-        op(*staged, steps, *rest)
-        for targets, buffers in zip((params, exp_avgs, exp_avg_sqs, model_params),
-                                    (staged[0], staged[2], staged[3], staged[4])):
-            _copy_back(targets, buffers)
+        _step_staged(call, (params, grads, exp_avgs, exp_avg_sqs, model_params), (0, 2, 3, 4),
+                     *rest)
     return step
 
 
@@ -207,10 +221,10 @@ fused_lamb_.__doc__ = "LAMB step; see csrc/ops.cpp."
 
 def hold_lists(params: Tensors, grad_sources: Tensors, model_params: Tensors,
                state: Sequence[Tensors]):
-    """The lists held in C++, or None when one holds a non-contiguous tensor (staged per call by
-    the list path; the held step passes the tensors to the op as they are)."""
-    if not (_contiguous(params) and _contiguous(model_params)
-            and all(_contiguous(tensors) for tensors in state)):
+    """The lists held in C++, or None when a parameter's tensors do not share one dense layout
+    (staged per call by the list path; the held step passes the tensors to the op as they are,
+    and takes a gradient only when it is laid out as its parameter: csrc/held_lists.cpp)."""
+    if not all(_shared_layouts(params, [model_params, *state])):
         return None
     return _hold_lists_any_strides(params, grad_sources, model_params, state)
 
@@ -234,7 +248,7 @@ STAGED_OPS.fused_lamb_mp_.__doc__ = "LAMB step with lr and step as tensors; see 
 _fused_novograd_ = torch.ops.apex_lite.fused_novograd_.default
 _fused_adagrad_ = torch.ops.apex_lite.fused_adagrad_.default
 
-# NovoGrad's lists sit where Adam's do (its exp_avg_sqs are 1-element tensors, never staged).
+# NovoGrad's lists sit where Adam's do (its exp_avg_sqs are 1-element tensors: no layout).
 fused_novograd_ = _adam_like(_fused_novograd_)
 fused_novograd_.__doc__ = "NovoGrad step; see csrc/ops.cpp."
 
@@ -242,15 +256,9 @@ fused_novograd_.__doc__ = "NovoGrad step; see csrc/ops.cpp."
 def fused_adagrad_(params: Tensors, grads: Tensors, sums: Tensors, model_params: Tensors,
                    steps: Tensors, *rest) -> None:
     """Adagrad step; see csrc/ops.cpp."""
-    if all(_contiguous(tensors) for tensors in (params, grads, sums, model_params)):
+    def call(params, grads, sums, model_params, *rest):
         _fused_adagrad_(params, grads, sums, model_params, steps, *rest)
-        return
-    # Every list with its current values: a skipped step leaves them all unwritten.
-    staged = [_read_copies(params), _read_copies(grads), _read_copies(sums),
-              _read_copies(model_params)]
-    _fused_adagrad_(*staged, steps, *rest)
-    for targets, buffers in zip((params, sums, model_params), (staged[0], staged[2], staged[3])):
-        _copy_back(targets, buffers)
+    _step_staged(call, (params, grads, sums, model_params), (0, 2, 3), *rest)
 
 
 CPU_OPS.fused_novograd_ = _fused_novograd_

@@ -165,7 +165,8 @@ def _nonfinite_flags_cpu(tensors: Tensors) -> torch.Tensor:
 # step counts stay on the device. Every new value is computed into a temporary, and ``_commit``
 # writes them all at the end where found_inf is 0 (a skipped step computes and drops its
 # values). Of the native kernels' argument checks it makes one, as they do: each
-# parameter has a step count of its own (_checks.check_own_step_counts).
+# parameter has a step count of its own (_checks.check_own_step_counts; every op that advances
+# step counts: Adam, LAMB, NovoGrad, Adagrad).
 
 Writes = List[Tuple[Tensors, Sequence[torch.Tensor]]]
 
@@ -407,8 +408,14 @@ def fused_lamb_(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs:
 
 def _grad_norms(g: List[torch.Tensor], norm_type: int) -> torch.Tensor:
     """fp32 per-tensor norms on the tensors' device (0 for an empty tensor, which has no inf
-    norm)."""
+    norm). The inf norm passes NaN elements over, as apex's fmaxf does (the max of the others,
+    0 when all are NaN): a NaN gradient element then makes NaN only where it is, on every
+    backend; torch's max would make the whole tensor's update NaN."""
     filled = [t for t in g if t.numel() > 0]
+    if norm_type != 2 and filled:
+        filled = torch._foreach_abs(filled)
+        for t in filled:
+            torch.nan_to_num_(t, nan=0.0, posinf=float("inf"))
     norms = iter(torch._foreach_norm(filled, 2 if norm_type == 2 else float("inf"))
                  if filled else ())
     zero = torch.zeros((), dtype=torch.float32, device=g[0].device)
@@ -423,6 +430,7 @@ def fused_novograd_(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_
     if norm_type not in (0, 2):
         raise RuntimeError(f"apex_lite::fused_novograd_: norm_type is {norm_type}; NovoGrad's "
                            f"norms are 2 (L2) and 0 (the inf norm)")
+    _checks.check_own_step_counts("fused_novograd_", steps)
     if not params:
         return
     g = _true_grads(grads, inv_scale)
@@ -469,6 +477,7 @@ def fused_novograd_(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_
 def fused_adagrad_(params: Tensors, grads: Tensors, sums: Tensors, model_params: Tensors,
                    steps: Tensors, inv_scale: torch.Tensor, found_inf: torch.Tensor, lr: float,
                    eps: float, weight_decay: float, adagrad_w_mode: bool) -> None:
+    _checks.check_own_step_counts("fused_adagrad_", steps)
     if not params:
         return
     g = _true_grads(grads, inv_scale)

@@ -8,8 +8,9 @@ Each reads a parameter, its gradient and its state once and writes them once, an
 ``grad_scale`` (the gradient is divided by it) and a ``found_inf`` (1.0: write nothing). What
 they lack for O2 is a gradient in another dtype than the parameter: an O2 master is fp32, its
 gradient (the half model parameter's, still multiplied by the loss scale) is fp16 or bf16. So
-here the gradients are converted to fp32 in chunks of at most ``CHUNK_ELEMENTS`` (1 MiB) into one
-fp32 buffer, and each chunk is stepped right after its conversion, while it is still in cache;
+here the gradients are converted to fp32 in chunks of at most ``chunk_elements(device)`` (1 MiB on
+the CPU, 32 MiB on a GPU) into one fp32 buffer, and each chunk is stepped right after its
+conversion, while it is still in cache;
 then the chunk's masters are rounded into the half model parameters (one foreach copy). A
 parameter larger than a chunk is stepped in slices (its step count, which the kernel only reads,
 is shared by the slices and incremented once). No fp32 copy of all gradients exists at any time:
@@ -44,17 +45,31 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from . import _checks, _python
+from ._layout import dense
 
 Tensors = Sequence[torch.Tensor]
 
-# Elements of fp32 gradient converted per chunk: 1 MiB of buffer, which stays in cache with the
-# chunk's parameters and state between the conversion, the step and the copy into the model. On
-# the 2-core AVX512 host (bench/o2_step.py, 8M parameters, AdamW) 1 MiB chunks gave the same step
-# time as 4 MiB ones and a peak 1.00x fp32's against 1.05x.
+# Elements of fp32 gradient converted per chunk on the CPU: 1 MiB of buffer, which stays in cache
+# with the chunk's parameters and state between the conversion, the step and the copy into the
+# model. On the 2-core AVX512 host (bench/o2_step.py, 8M parameters, AdamW) 1 MiB chunks gave the
+# same step time as 4 MiB ones and a peak 1.00x fp32's against 1.05x.
 CHUNK_ELEMENTS = 1 << 18
+# On a GPU (any device but the CPU): 32 MiB. A chunk costs three or more kernel launches (the
+# conversion, torch's fused kernel, the rounding into the model), each a few microseconds of host
+# time, and no cache holds a chunk between them there: 1 MiB chunks made about 5,000 chunks and
+# 15,000 launches per step for 1.3B parameters, a host-bound step; 32 MiB chunks make about 155
+# (tests/test_torch_fused_route.py counts them), and the buffer stays small beside the model.
+GPU_CHUNK_ELEMENTS = 1 << 23
 
 __all__ = ["fused_sgd_", "fused_adam_", "fused_adagrad_", "serves_adam", "serves_sgd",
-           "serves_adagrad", "hold_lists", "CHUNK_ELEMENTS"]
+           "serves_adagrad", "hold_lists", "chunk_elements", "CHUNK_ELEMENTS",
+           "GPU_CHUNK_ELEMENTS"]
+
+
+def chunk_elements(device: torch.device) -> int:
+    """The fp32 elements of one chunk on ``device``: ``CHUNK_ELEMENTS`` on the CPU (sized for its
+    cache), ``GPU_CHUNK_ELEMENTS`` elsewhere (sized against the launches per step)."""
+    return CHUNK_ELEMENTS if torch.device(device).type == "cpu" else GPU_CHUNK_ELEMENTS
 
 
 def serves_adam(bias_correction: bool) -> bool:
@@ -168,7 +183,7 @@ class _Chunk:
                 self.params.append(p)
                 for mine, state in zip(self.states, states):
                     mine.append(state[i])
-                if _dense(p) and all(state[i].stride() == p.stride() for state in states):
+                if dense(p) and all(state[i].stride() == p.stride() for state in states):
                     self.outs.append(buffer.as_strided(p.shape, p.stride(), offset))
                 else:
                     self.staged.append(k)
@@ -203,18 +218,6 @@ class _Chunk:
             torch._foreach_copy_(self.models, self.params)
 
 
-def _dense(t: torch.Tensor) -> bool:
-    """Whether ``t`` covers its memory without gaps or overlaps, in some order of its dims."""
-    if t.is_contiguous():
-        return True
-    expected = 1
-    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
 def _numel(t: torch.Tensor, part: Optional[slice]) -> int:
     return t.numel() if part is None else part.stop - part.start
 
@@ -232,7 +235,7 @@ class _Layout:
 
     def __init__(self, params, states, steps, model_params):
         lists = [params, *states] + ([model_params] if model_params else [])
-        chunks = _pieces(lists, CHUNK_ELEMENTS)
+        chunks = _pieces(lists, chunk_elements(params[0].device))
         size = max((sum(_numel(params[i], part) for i, part in chunk) for chunk in chunks),
                    default=0)
         self.buffer = torch.empty(size, dtype=torch.float32, device=params[0].device)
@@ -322,6 +325,7 @@ def fused_sgd_(params: Tensors, grads: Tensors, momentum_buffers: Tensors, model
 def fused_adagrad_(params: Tensors, grads: Tensors, sums: Tensors, model_params: Tensors,
                    steps: Tensors, inv_scale: torch.Tensor, found_inf: torch.Tensor, lr: float,
                    eps: float, weight_decay: float, adagrad_w_mode: bool) -> None:
+    _checks.check_own_step_counts("fused_adagrad_", steps)
     if not params:
         return
     if not serves_adagrad(weight_decay, adagrad_w_mode) or not _all_fp32(params, sums):

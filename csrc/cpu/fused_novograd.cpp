@@ -7,7 +7,8 @@
 // converted from double to fp32 once (1 - beta2 in double):
 //   g = float(grad) * inv_scale                          (per element)
 //   n = ||g||_2 (fp32 squares summed as l2norm.cpp, the root in double then fp32), or
-//       max |g| for norm_type 0; 0 for an empty parameter
+//       max |g| for norm_type 0, NaN elements passed over as apex's fmaxf passes them (the max
+//       of the others, 0 when every element is NaN); 0 for an empty parameter
 //   v = n                                  when steps[i] == 0 and not init_zero
 //   v = sqrt(beta2 * (v * v) + (1 - beta2) * (n * n))     norm_type 2
 //   v = beta2 * v + (1 - beta2) * n                       norm_type 0
@@ -76,18 +77,25 @@ double grad_norm_segment(const void* base, int64_t begin, int64_t n, float inv_s
   const G* grad = static_cast<const G*>(base) + begin;
   const FVec s(inv_scale);
   if (inf_norm) {
+    // apex's fmaxf: a NaN magnitude is passed over. at::vec::maximum propagates NaN, so NaN lanes
+    // become 0 first (no magnitude is below it); std::fmax passes NaN over itself.
+    const FVec zero(0.0f);
+    const auto magnitude = [&](const FVec& v) {
+      const FVec m = (v * s).abs();
+      return FVec::blendv(m, zero, m.isnan());
+    };
     FVec acc(0.0f);
     float tail = 0.0f;
     int64_t i = 0;
     for (; i + kStep <= n; i += kStep) {
       FVec lo, hi;
       load_fp32(grad + i, lo, hi);
-      acc = at::vec::maximum(acc, at::vec::maximum((lo * s).abs(), (hi * s).abs()));
+      acc = at::vec::maximum(acc, at::vec::maximum(magnitude(lo), magnitude(hi)));
     }
-    for (; i < n; ++i) tail = std::max(tail, std::fabs(static_cast<float>(grad[i]) * inv_scale));
+    for (; i < n; ++i) tail = std::fmax(tail, std::fabs(static_cast<float>(grad[i]) * inv_scale));
     __at_align__ float lanes[FVec::size()];
     acc.store(lanes);
-    for (int64_t k = 0; k < FVec::size(); ++k) tail = std::max(tail, lanes[k]);
+    for (int64_t k = 0; k < FVec::size(); ++k) tail = std::fmax(tail, lanes[k]);
     return tail;
   }
   SquareSum sum;
@@ -201,7 +209,7 @@ void fused_novograd_(at::TensorList params, at::TensorList grads, at::TensorList
   std::vector<double> totals(n, 0.0);
   if (inf_norm) {
     for (size_t s = 0; s < partials.size(); ++s) {
-      totals[owners[s]] = std::max(totals[owners[s]], partials[s]);
+      totals[owners[s]] = std::fmax(totals[owners[s]], partials[s]);
     }
   } else {
     totals = per_tensor_totals(partials, owners, n);

@@ -54,7 +54,7 @@ inline bool on_cpu(const char* op, const char* name, size_t i, const c10::Tensor
 template <typename Fail>
 inline bool stepped_tensor_ok(const char* op, const char* name, size_t i,
                               const c10::TensorImpl& t, Fail&& fail) {
-  const at::ScalarType dtype = t.dtype().toScalarType();
+  const at::ScalarType dtype = c10::typeMetaToScalarType(t.dtype());
   if (!is_supported_dtype(dtype)) {
     return fail("apex_lite::", op, ": ", name, "[", i, "] has dtype ", dtype,
                 "; only float32, float16 and bfloat16 are supported");
@@ -67,7 +67,7 @@ inline bool stepped_tensor_ok(const char* op, const char* name, size_t i,
 template <typename Fail>
 inline bool state_tensor_ok(const char* op, const char* name, size_t i, const c10::TensorImpl& t,
                             Fail&& fail) {
-  const at::ScalarType dtype = t.dtype().toScalarType();
+  const at::ScalarType dtype = c10::typeMetaToScalarType(t.dtype());
   if (dtype != at::kFloat) {
     return fail("apex_lite::", op, ": ", name, "[", i, "] has dtype ", dtype,
                 "; optimizer state is float32 whatever the parameter's dtype (create it with "
@@ -79,7 +79,7 @@ inline bool state_tensor_ok(const char* op, const char* name, size_t i, const c1
 // steps[i]: the parameter's step count, one float32 element on the CPU.
 template <typename Fail>
 inline bool step_count_ok(const char* op, size_t i, const c10::TensorImpl& t, Fail&& fail) {
-  const at::ScalarType dtype = t.dtype().toScalarType();
+  const at::ScalarType dtype = c10::typeMetaToScalarType(t.dtype());
   if (t.numel() == 1 && dtype == at::kFloat && t.device().is_cpu()) return true;
   return fail("apex_lite::", op, ": steps[", i,
               "] must be a 1-element float32 CPU tensor (the parameter's step count), got ",

@@ -177,7 +177,7 @@ class PlannedCall {
       plan_staged(lists);
     }
     if (lists.counted && lists.own_counts) {
-      checks::check_own_step_counts(op, counts_.size(), [&](size_t i) {
+      checks::check_own_step_counts(op, counts_.size(), c10::Device(c10::kCPU), [&](size_t i) {
         return reinterpret_cast<uintptr_t>(counts_[i]);
       });
     }
@@ -266,7 +266,7 @@ class PlannedCall {
           !stepped_tensor_ok(op, name, i, t, refuse)) {
         return false;
       }
-      dtype = t.dtype().toScalarType();
+      dtype = c10::typeMetaToScalarType(t.dtype());
       return true;
     };
     StepTypes& types = types_[i];
@@ -274,7 +274,7 @@ class PlannedCall {
         !data_of<true>(param, data.param)) {
       return false;
     }
-    types.param = param.dtype().toScalarType();
+    types.param = c10::typeMetaToScalarType(param.dtype());
     const c10::TensorImpl& grad = *l.grads[i].unsafeGetTensorImpl();
     if (!stepped("grads", grad, types.grad) || !data_of<false>(grad, data.grad)) return false;
     types.model = at::ScalarType::Undefined;

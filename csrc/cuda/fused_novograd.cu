@@ -5,7 +5,8 @@
 // correctly rounded, __f*_rn: no fused multiply-add). Three launches on the current stream, no
 // scratch the size of the parameters:
 // 1. (multi-tensor-apply over the gradients) each block writes the fp32 sum of the squares (or
-//    the largest magnitude, norm_type 0) of the true gradients of its chunk to
+//    the largest magnitude, norm_type 0, by fmaxf as apex: NaN elements passed over, as the CPU
+//    kernel and the Python backend pass them) of the true gradients of its chunk to
 //    partials[global block]; the block of a tensor's first chunk records where the tensor's run
 //    of partials starts;
 // 2. (one block per parameter, over the 1-element lists exp_avg_sqs and steps) the run combined

@@ -278,7 +278,8 @@ __device__ __forceinline__ float block_sum(float v) {
 // ---- host-side checks and dtype dispatch -------------------------------------------------------
 
 // The multi-tensor ops check their arguments with ../multi_tensor_checks.h (shared with the CPU
-// kernels), then check_contiguous; the fused optimizer steps with check_tensor_list and the rest.
+// kernels), then check_contiguous; the fused optimizer steps with check_tensor_list (one dense
+// layout per parameter) and the rest.
 using checks::is_supported_dtype;
 
 // What the kernels rely on beyond the shared checks: contiguous tensors (apex_lite.multi_tensor
@@ -291,10 +292,12 @@ inline void check_contiguous(const char* op, const char* name, at::TensorList te
   }
 }
 
-// Checks what the kernels rely on: every tensor a CUDA tensor on `device`, of a supported dtype,
-// contiguous.
+// Checks what the fused optimizer kernels rely on: every tensor a CUDA tensor on `device`, of a
+// supported dtype; the parameters (`like` empty) dense, in any order of their dims, and every
+// other tensor of a parameter laid out as it (`like` the parameters): the kernels walk a
+// parameter's tensors as flat arrays together, so a channels_last model steps without copies.
 inline void check_tensor_list(const char* op, const char* name, at::TensorList tensors,
-                              const at::Device& device) {
+                              const at::Device& device, at::TensorList like = {}) {
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i];
     TORCH_CHECK(t.defined(), "apex_lite::", op, ": ", name, "[", i, "] is an undefined tensor");
@@ -303,8 +306,17 @@ inline void check_tensor_list(const char* op, const char* name, at::TensorList t
                 "; all tensors (and found_inf) must be on one CUDA device");
     TORCH_CHECK(is_supported_dtype(t.scalar_type()), "apex_lite::", op, ": ", name, "[", i,
                 "] has dtype ", t.scalar_type(), "; only float32, float16 and bfloat16 are supported");
+    if (like.empty()) {
+      TORCH_CHECK(t.is_non_overlapping_and_dense(), "apex_lite::", op, ": ", name, "[", i,
+                  "] is not dense (it has gaps or overlaps); call apex_lite.multi_tensor (which "
+                  "stages such tensors) or pass .contiguous() tensors");
+    } else {
+      TORCH_CHECK(checks::laid_out_as(t, like[i]), "apex_lite::", op, ": ", name, "[", i,
+                  "] is not laid out as params[", i, "] (dense, with the same strides); call "
+                  "apex_lite.multi_tensor (which stages such tensors) or pass tensors of one "
+                  "layout");
+    }
   }
-  check_contiguous(op, name, tensors);
 }
 
 inline void check_found_inf(const char* op, const at::Tensor& found_inf) {

@@ -40,14 +40,14 @@ inline void check_step_args(const char* op, at::TensorList params, at::TensorLis
   check_device_scalar(op, "inv_scale", inv_scale, device);
   check_same_shapes(op, "params", params, "grads", grads);
   check_tensor_list(op, "params", params, device);
-  check_tensor_list(op, "grads", grads, device);
+  check_tensor_list(op, "grads", grads, device, params);
 }
 
 // Optimizer state (moments, momentum buffers): one float32 tensor per parameter, shaped like it.
 inline void check_state_list(const char* op, const char* name, at::TensorList state,
                              at::TensorList params, const at::Device& device) {
   check_same_shapes(op, "params", params, name, state);
-  check_tensor_list(op, name, state, device);
+  check_tensor_list(op, name, state, device, params);
   for (size_t i = 0; i < state.size(); ++i) {
     TORCH_CHECK(state[i].scalar_type() == at::kFloat, "apex_lite::", op, ": ", name, "[", i,
                 "] has dtype ", state[i].scalar_type(),
@@ -65,7 +65,7 @@ inline void check_model_params(const char* op, at::TensorList model_params, at::
               model_params.size(), " tensors but params has ", params.size(),
               "; pass no model parameters or one per parameter");
   check_same_shapes(op, "params", params, "model_params", model_params);
-  check_tensor_list(op, "model_params", model_params, device);
+  check_tensor_list(op, "model_params", model_params, device, params);
 }
 
 // steps: one 1-element float32 tensor per parameter, on the device, each its own element (the
@@ -89,7 +89,7 @@ inline void check_steps(const char* op, at::TensorList steps, at::TensorList par
                 s.numel(), " elements");
   }
   if (!counts_written) return;
-  checks::check_own_step_counts(op, steps.size(), [&](size_t i) {
+  checks::check_own_step_counts(op, steps.size(), device, [&](size_t i) {
     return reinterpret_cast<uintptr_t>(steps[i].const_data_ptr());
   });
 }
