@@ -58,8 +58,8 @@ M = Mutation
 MUTATIONS: List[Mutation] = [
     # issue 34, row 1: O1 always under autocast, whatever patch_torch_functions says.
     M("o1-ignores-patch_torch_functions",
-      "    elif props.patch_torch_functions:\n",
-      "    elif props.opt_level == \"O1\":\n",
+      "patch_torch_functions_type=half_dtype if resolved_patch else None,",
+      "patch_torch_functions_type=half_dtype if level.autocasts else None,",
       ["test_amp_initialize.py::test_overrides_take_effect"]),
     M("cast_model_outputs-ignored-at-o1",
       "output_dtype=props.cast_model_outputs or torch.float32)\n"
@@ -67,13 +67,13 @@ MUTATIONS: List[Mutation] = [
       "output_dtype=torch.float32)\n    elif props.cast_model_outputs",
       ["test_amp_initialize.py::test_overrides_take_effect"]),
     M("patch_torch_functions-override-dropped",
-      "patch_torch_functions=(level.patch_torch_functions if patch_torch_functions is None\n"
-      "                               else patch_torch_functions)",
-      "patch_torch_functions=level.patch_torch_functions",
+      "resolved_patch = level.patch_torch_functions if patch_torch_functions is None \\\n"
+      "        else patch_torch_functions",
+      "resolved_patch = level.patch_torch_functions",
       ["test_amp_initialize.py::test_overrides_take_effect"]),
     M("o1-autocast-ignores-half_dtype",
-      "casting.wrap_forward(model, autocast_dtype=props.half_dtype,",
-      "casting.wrap_forward(model, autocast_dtype=torch.bfloat16,",
+      "    autocast_dtype = props.patch_torch_functions_type\n",
+      "    autocast_dtype = props.patch_torch_functions_type and torch.bfloat16\n",
       ["test_amp_initialize.py::test_dtypes_per_level"]),
     # row 2: FusedLAMB ignoring GradScaler's scale (the unscaled gradients' norm still clips).
     M("lamb-ignores-grad-scaler-scale",
