@@ -68,7 +68,7 @@ from ..optimizers.fused_lamb import FusedLAMB
 from ..optimizers.fused_novograd import FusedNovoGrad
 from ..optimizers.update import dtensor_class, local_shards
 from . import casting
-from .opt_levels import HALF_DTYPES
+from .opt_levels import HALF_DTYPES, OPT_LEVELS
 
 __all__ = ["Sharding", "inspect", "is_sharded", "local_shards", "sharded_after_initialize",
            "newly_sharded", "registered_unsharded"]
@@ -305,8 +305,9 @@ class Sharding:
         else:
             fix = (f"{self._call(unit, '')} (amp casts the shards to {half}) or "
                    f"mp_policy=MixedPrecisionPolicy(param_dtype={half})")
-        other = f"; or choose half_dtype={computes} in amp.initialize" \
-            if computes in HALF_DTYPES else ""
+        like = OPT_LEVELS[level].like   # O5 is bf16 by definition: O2 takes another half dtype
+        other = f"; or choose {f'opt_level={like!r} with ' if like else ''}half_dtype={computes} " \
+            f"in amp.initialize" if computes in HALF_DTYPES else ""
         return (f"amp.initialize(opt_level={level!r}): {where} computes in {computes}, but "
                 f"{level} computes in {want} (half_dtype). Pass the policy of the level: "
                 f"{fix}{other}.")

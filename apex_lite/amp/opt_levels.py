@@ -26,11 +26,17 @@ LossScale = Union[float, str]
 HALF = torch.float16
 
 
+class OptLevelError(ValueError, RuntimeError):
+    """An unknown opt level, or overrides that contradict each other or the level. A ValueError
+    (apex_lite's refusals of bad arguments) and a RuntimeError (what NVIDIA's and ROCm's apex
+    raised for these), so that code written for either catches it."""
+
+
 @dataclasses.dataclass(frozen=True)
 class OptLevel:
     """One opt level: apex's properties and what they mean in a line. ``half_dtype`` is the
     level's own half type (O4, O5: bf16), None where the device chooses (``default_half_dtype``);
-    ``like`` names the level it is in that other half type."""
+    ``like`` names the level it otherwise is (O4: O1, O5: O2)."""
     name: str
     brief: str
     cast_model_type: Optional[torch.dtype]   # None: not cast; torch.float32 or "half" via HALF
@@ -121,7 +127,7 @@ def _parse_bool(name: str, value) -> Optional[bool]:
         return value
     if isinstance(value, str) and value in ("True", "False"):
         return value == "True"
-    raise ValueError(f"{name} must be True, False, the string 'True' or 'False', or None; "
+    raise OptLevelError(f"{name} must be True, False, the string 'True' or 'False', or None; "
                      f"got {value!r}")
 
 
@@ -133,10 +139,10 @@ def _parse_loss_scale(value) -> Optional[LossScale]:
     try:
         scale = float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"loss_scale must be a positive number, a string holding one "
+        raise OptLevelError(f"loss_scale must be a positive number, a string holding one "
                          f"(e.g. '128.0'), or 'dynamic'; got {value!r}") from None
     if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"loss_scale must be positive and finite, got {value!r}; use "
+        raise OptLevelError(f"loss_scale must be positive and finite, got {value!r}; use "
                          f"'dynamic' to let amp choose it")
     return scale
 
@@ -146,7 +152,7 @@ def _parse_dtype(name: str, value, allowed) -> Optional[torch.dtype]:
         return None
     if value not in allowed:
         names = ", ".join(str(d) for d in allowed)
-        raise ValueError(f"{name} must be one of {names} or None; got {value!r}")
+        raise OptLevelError(f"{name} must be one of {names} or None; got {value!r}")
     return value
 
 
@@ -168,15 +174,15 @@ def _check_autocast_overrides(level: OptLevel, cast_model_type, keep_batchnorm_f
     if level.autocasts:
         casting_levels = "'O2' or 'O3'" if level.half_dtype is None else "'O5'"
         if cast_model_type not in (None, torch.float32):
-            raise ValueError(f"{name} runs the forward under torch.autocast with fp32 model "
+            raise OptLevelError(f"{name} runs the forward under torch.autocast with fp32 model "
                              f"weights, so cast_model_type must stay None, False or "
                              f"torch.float32 (got {cast_model_type}). To cast the model itself "
                              f"use opt_level={casting_levels}.")
         if keep_batchnorm_fp32 is not None:
-            raise ValueError(f"With opt_level {name}, autocast already runs batchnorm in fp32, "
+            raise OptLevelError(f"With opt_level {name}, autocast already runs batchnorm in fp32, "
                              f"so keep_batchnorm_fp32 must be None (got {keep_batchnorm_fp32}).")
         if master_weights is not None:
-            raise ValueError(f"It doesn't make sense to use master_weights with O1 and O4 (got "
+            raise OptLevelError(f"It doesn't make sense to use master_weights with O1 and O4 (got "
                              f"master_weights={master_weights} at {name}): the model weights "
                              f"themselves stay fp32. Use opt_level={casting_levels} for a half "
                              f"model with fp32 master weights.")
@@ -185,15 +191,15 @@ def _check_autocast_overrides(level: OptLevel, cast_model_type, keep_batchnorm_f
                          if lv.autocasts and lv.patch_type == patch_type) \
                 if patch_type in HALF_DTYPES else None
             fix = f" For {patch_type} autocast use opt_level='{other}'." if other else ""
-            raise ValueError(f"patch_torch_functions_type must be {level.patch_type} at "
+            raise OptLevelError(f"patch_torch_functions_type must be {level.patch_type} at "
                              f"opt_level '{name}' (ROCm apex's rule), got {patch_type!r}.{fix}")
         return
     if patch_torch_functions:
-        raise ValueError(f"patch_torch_functions=True (the forward under torch.autocast) "
+        raise OptLevelError(f"patch_torch_functions=True (the forward under torch.autocast) "
                          f"belongs to opt_level={_levels_that_autocast()}; it cannot be "
                          f"combined with {name}, which runs no autocast.")
     if patch_type is not None:
-        raise ValueError(f"patch_torch_functions_type (autocast's dtype) should only be set by "
+        raise OptLevelError(f"patch_torch_functions_type (autocast's dtype) should only be set by "
                          f"selecting opt_level={_levels_that_autocast()}; {name} runs no "
                          f"autocast, so it must be None (got {patch_type!r}).")
 
@@ -203,7 +209,7 @@ def _resolve_half(level: OptLevel, device_type: str, half_dtype, cast_model_type
     """The run's half dtype: the one asked for (``half_dtype``, a half ``cast_model_type``, a
     ``patch_torch_functions_type``), else the level's own, else the device's default."""
     if half_dtype is not None and level.half_dtype is not None and half_dtype != level.half_dtype:
-        raise ValueError(f"opt_level {level.name} is {level.like} in {level.half_dtype}, so "
+        raise OptLevelError(f"opt_level {level.name} is {level.like} in {level.half_dtype}, so "
                          f"half_dtype={half_dtype} contradicts it; use opt_level='{level.like}' "
                          f"with half_dtype={half_dtype} instead")
     asked = [(name, value) for name, value in (("half_dtype", half_dtype),
@@ -212,7 +218,7 @@ def _resolve_half(level: OptLevel, device_type: str, half_dtype, cast_model_type
              if value in HALF_DTYPES]
     for (name, value), (other, other_value) in zip(asked, asked[1:]):
         if value != other_value:
-            raise ValueError(f"{other}={other_value} contradicts {name}={value}; pass only one "
+            raise OptLevelError(f"{other}={other_value} contradicts {name}={value}; pass only one "
                              f"of them")
     if asked:
         return asked[0][1]
@@ -236,11 +242,11 @@ def resolve_properties(opt_level, *, device_type: str, half_dtype=None, cast_mod
         The resolved ``Properties``.
 
     Raises:
-        ValueError naming the reason when the level is unknown or the overrides contradict each
-        other or the level.
+        OptLevelError (a ValueError and a RuntimeError) naming the reason when the level is
+        unknown or the overrides contradict each other or the level.
     """
     if not isinstance(opt_level, str) or opt_level not in OPT_LEVELS:
-        raise ValueError(unknown_opt_level_message(opt_level))
+        raise OptLevelError(unknown_opt_level_message(opt_level))
     level = OPT_LEVELS[opt_level]
 
     half_dtype = _parse_dtype("half_dtype", half_dtype, HALF_DTYPES)
@@ -274,7 +280,7 @@ def resolve_properties(opt_level, *, device_type: str, half_dtype=None, cast_mod
     # master_weights=True on a model left in fp32 (cast_model_type=False or torch.float32) is
     # accepted, as apex did: the fp32 parameters are their own masters, no copies are made.
     if resolved_cast == torch.float32 and keep_batchnorm_fp32 is False:
-        raise ValueError(f"keep_batchnorm_fp32=False asks for half batchnorm, but {opt_level} "
+        raise OptLevelError(f"keep_batchnorm_fp32=False asks for half batchnorm, but {opt_level} "
                          f"keeps the whole model in fp32; use opt_level='O3' for a pure half "
                          f"model.")
 
