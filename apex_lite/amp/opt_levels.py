@@ -128,7 +128,7 @@ def _parse_bool(name: str, value) -> Optional[bool]:
     if isinstance(value, str) and value in ("True", "False"):
         return value == "True"
     raise OptLevelError(f"{name} must be True, False, the string 'True' or 'False', or None; "
-                     f"got {value!r}")
+                        f"got {value!r}")
 
 
 def _parse_loss_scale(value) -> Optional[LossScale]:
@@ -140,10 +140,10 @@ def _parse_loss_scale(value) -> Optional[LossScale]:
         scale = float(value)
     except (TypeError, ValueError):
         raise OptLevelError(f"loss_scale must be a positive number, a string holding one "
-                         f"(e.g. '128.0'), or 'dynamic'; got {value!r}") from None
+                            f"(e.g. '128.0'), or 'dynamic'; got {value!r}") from None
     if not (math.isfinite(scale) and scale > 0):
         raise OptLevelError(f"loss_scale must be positive and finite, got {value!r}; use "
-                         f"'dynamic' to let amp choose it")
+                            f"'dynamic' to let amp choose it")
     return scale
 
 
@@ -175,33 +175,33 @@ def _check_autocast_overrides(level: OptLevel, cast_model_type, keep_batchnorm_f
         casting_levels = "'O2' or 'O3'" if level.half_dtype is None else "'O5'"
         if cast_model_type not in (None, torch.float32):
             raise OptLevelError(f"{name} runs the forward under torch.autocast with fp32 model "
-                             f"weights, so cast_model_type must stay None, False or "
-                             f"torch.float32 (got {cast_model_type}). To cast the model itself "
-                             f"use opt_level={casting_levels}.")
+                                f"weights, so cast_model_type must stay None, False or "
+                                f"torch.float32 (got {cast_model_type}). To cast the model itself "
+                                f"use opt_level={casting_levels}.")
         if keep_batchnorm_fp32 is not None:
             raise OptLevelError(f"With opt_level {name}, autocast already runs batchnorm in fp32, "
-                             f"so keep_batchnorm_fp32 must be None (got {keep_batchnorm_fp32}).")
+                                f"so keep_batchnorm_fp32 must be None (got {keep_batchnorm_fp32}).")
         if master_weights is not None:
             raise OptLevelError(f"It doesn't make sense to use master_weights with O1 and O4 (got "
-                             f"master_weights={master_weights} at {name}): the model weights "
-                             f"themselves stay fp32. Use opt_level={casting_levels} for a half "
-                             f"model with fp32 master weights.")
+                                f"master_weights={master_weights} at {name}): the model weights "
+                                f"themselves stay fp32. Use opt_level={casting_levels} for a half "
+                                f"model with fp32 master weights.")
         if patch_type is not None and patch_type != level.patch_type:
             other = next(n for n, lv in OPT_LEVELS.items()
                          if lv.autocasts and lv.patch_type == patch_type) \
                 if patch_type in HALF_DTYPES else None
             fix = f" For {patch_type} autocast use opt_level='{other}'." if other else ""
             raise OptLevelError(f"patch_torch_functions_type must be {level.patch_type} at "
-                             f"opt_level '{name}' (ROCm apex's rule), got {patch_type!r}.{fix}")
+                                f"opt_level '{name}' (ROCm apex's rule), got {patch_type!r}.{fix}")
         return
     if patch_torch_functions:
         raise OptLevelError(f"patch_torch_functions=True (the forward under torch.autocast) "
-                         f"belongs to opt_level={_levels_that_autocast()}; it cannot be "
-                         f"combined with {name}, which runs no autocast.")
+                            f"belongs to opt_level={_levels_that_autocast()}; it cannot be "
+                            f"combined with {name}, which runs no autocast.")
     if patch_type is not None:
         raise OptLevelError(f"patch_torch_functions_type (autocast's dtype) should only be set by "
-                         f"selecting opt_level={_levels_that_autocast()}; {name} runs no "
-                         f"autocast, so it must be None (got {patch_type!r}).")
+                            f"selecting opt_level={_levels_that_autocast()}; {name} runs no "
+                            f"autocast, so it must be None (got {patch_type!r}).")
 
 
 def _resolve_half(level: OptLevel, device_type: str, half_dtype, cast_model_type,
@@ -210,8 +210,8 @@ def _resolve_half(level: OptLevel, device_type: str, half_dtype, cast_model_type
     ``patch_torch_functions_type``), else the level's own, else the device's default."""
     if half_dtype is not None and level.half_dtype is not None and half_dtype != level.half_dtype:
         raise OptLevelError(f"opt_level {level.name} is {level.like} in {level.half_dtype}, so "
-                         f"half_dtype={half_dtype} contradicts it; use opt_level='{level.like}' "
-                         f"with half_dtype={half_dtype} instead")
+                            f"half_dtype={half_dtype} contradicts it; use opt_level='{level.like}' "
+                            f"with half_dtype={half_dtype} instead")
     asked = [(name, value) for name, value in (("half_dtype", half_dtype),
                                                ("cast_model_type", cast_model_type),
                                                ("patch_torch_functions_type", patch_type))
@@ -219,7 +219,7 @@ def _resolve_half(level: OptLevel, device_type: str, half_dtype, cast_model_type
     for (name, value), (other, other_value) in zip(asked, asked[1:]):
         if value != other_value:
             raise OptLevelError(f"{other}={other_value} contradicts {name}={value}; pass only one "
-                             f"of them")
+                                f"of them")
     if asked:
         return asked[0][1]
     return level.half_dtype or default_half_dtype(device_type)
@@ -281,8 +281,8 @@ def resolve_properties(opt_level, *, device_type: str, half_dtype=None, cast_mod
     # accepted, as apex did: the fp32 parameters are their own masters, no copies are made.
     if resolved_cast == torch.float32 and keep_batchnorm_fp32 is False:
         raise OptLevelError(f"keep_batchnorm_fp32=False asks for half batchnorm, but {opt_level} "
-                         f"keeps the whole model in fp32; use opt_level='O3' for a pure half "
-                         f"model.")
+                            f"keeps the whole model in fp32; use opt_level='O3' for a pure half "
+                            f"model.")
 
     return Properties(
         opt_level=opt_level,
