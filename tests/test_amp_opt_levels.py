@@ -75,6 +75,7 @@ def test_unknown_opt_level_lists_the_valid_ones(level):
     with pytest.raises(ValueError) as err:
         resolve_properties(level, device_type="cpu")
     assert "Options are 'O0', 'O1', 'O2', 'O3', 'O4', 'O5'." in str(err.value)
+    assert isinstance(err.value, RuntimeError)   # what apex raised: code catching it still does
     assert "the letter O, not the number zero" in str(err.value)
 
 
@@ -134,6 +135,7 @@ def test_contradictory_overrides_raise_with_the_reason(level, kwargs, words):
         resolve_properties(level, device_type="cpu", **kwargs)
     for word in words:
         assert word in str(err.value), str(err.value)
+    assert isinstance(err.value, RuntimeError)
 
 
 ACCEPTED = [

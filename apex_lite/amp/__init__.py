@@ -54,9 +54,10 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                process_group=None, overflow_patience=DEFAULT_OVERFLOW_PATIENCE,
                locate_nonfinite=False, fused_step=None, sync_interval=DEFAULT_SYNC_INTERVAL,
                patch_torch_functions_type=None):
-    """Set models and optimizers up for mixed precision at ``opt_level``, as apex: "O0" to "O3"
-    are NVIDIA apex's levels, "O4" (O1 in bf16) and "O5" (O2 in bf16), both with a static loss
-    scale of 1.0, ROCm apex's.
+    """Set models and optimizers up for mixed precision at ``opt_level``, as apex: NVIDIA apex's
+    "O0" to "O3", or ROCm apex's "O4" (O1 in bf16) and "O5" (O2 in bf16), both with a static
+    loss scale of 1.0. An unknown level or contradictory overrides raise ``OptLevelError`` (a
+    ValueError and apex's RuntimeError) before anything changes.
 
     Returns ``(model, optimizer)``, each a list only where a list was passed, or the model(s)
     alone when no optimizer was passed. The objects are the ones passed in, modified in place.
