@@ -59,7 +59,7 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--opt-level", default="O2", choices=["O0", "O1", "O2", "O3"])
+    parser.add_argument("--opt-level", default="O2", choices=["O0", "O1", "O2", "O3", "O4", "O5"])
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--batch", type=int, default=64, help="per rank")
     parser.add_argument("--width", type=int, default=256)
@@ -128,11 +128,12 @@ def train(args, device: torch.device, rank: int) -> None:
 
     torch.manual_seed(0)                      # the same initial weights on every rank
     model = Net(args.width, args.blocks).to(device)
-    # amp's half dtype: fp16 on CUDA, bf16 on CPU. At O2 FSDP2 computes in it (the policy); at
-    # O0 and O1 the units compute in fp32; at O3 amp casts the shards themselves to half.
-    half = torch.float16 if args.device == "cuda" else torch.bfloat16
+    # amp's half dtype: fp16 on CUDA, bf16 on CPU (bf16 everywhere at ROCm apex's O4 and O5). At
+    # O2 and O5 FSDP2 computes in it (the policy); at O0, O1 and O4 the units compute in fp32;
+    # at O3 amp casts the shards themselves to half.
+    half = torch.float16 if args.device == "cuda" and args.opt_level != "O5" else torch.bfloat16
     policy = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32) \
-        if args.opt_level == "O2" else MixedPrecisionPolicy()
+        if args.opt_level in ("O2", "O5") else MixedPrecisionPolicy()
     for block in model.blocks:
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)

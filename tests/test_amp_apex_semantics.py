@@ -24,10 +24,11 @@ STEP_PATHS = pytest.mark.parametrize("fused_step", [True, False], ids=["fused", 
 
 
 def _path(level, fused_step):
-    """``fused_step`` for ``initialize`` at ``level``: the fused step exists at O2 only."""
-    return fused_step if level == "O2" else None
+    """``fused_step`` for ``initialize`` at ``level``: the fused step exists at O2 and O5."""
+    return fused_step if level in ("O2", "O5") else None
 
 LEVELS = ["O0", "O1", "O2", "O3"]
+ROCM_LEVELS = ["O4", "O5"]   # ROCm apex's: O1 and O2 in bf16 with a static scale of 1.0
 CLEARING = ["opt.zero_grad()", "opt.zero_grad(set_to_none=False)", "model.zero_grad()",
             "model.zero_grad(set_to_none=False)", "p.grad = None", "none"]
 STEPS = 3
@@ -36,7 +37,8 @@ INJECT_STEP = 1
 # guarded against (a gradient added twice, an update dropped or taken while it should be skipped)
 # are far larger.
 TOLERANCE = {"O0": dict(rtol=1e-5, atol=1e-6), "O1": dict(rtol=3e-2, atol=3e-2),
-             "O2": dict(rtol=3e-2, atol=3e-2), "O3": dict(rtol=6e-2, atol=6e-2)}
+             "O2": dict(rtol=3e-2, atol=3e-2), "O3": dict(rtol=6e-2, atol=6e-2),
+             "O4": dict(rtol=3e-2, atol=3e-2), "O5": dict(rtol=3e-2, atol=3e-2)}
 
 
 def _models(shared: bool):
@@ -177,11 +179,14 @@ def _amp_run(level, clearing, n_opts, n_scalers, shared, inject, x, fused_step):
     return models, opts, master_grads, steps_taken
 
 
-# O2 runs on both step paths (fused_step=True and False); the other levels have
-# only the unfused one.
+# O2 and O5 run on both step paths (fused_step=True and False); the other levels have only the
+# unfused one. O4 and O5 run the same code as O1 and O2 (test_amp_rocm_levels.py holds them bit
+# for bit equal): here every clearing, two optimizers over a shared trunk, a skip in either loss.
 CASES = [c + (path,) for c in itertools.product(LEVELS, CLEARING, [1, 2], [1, 2], [False, True],
                                                 [None, 0, 1])
-         for path in ([True, False] if c[0] == "O2" else [None])]
+         for path in ([True, False] if c[0] == "O2" else [None])] + \
+    [c + (path,) for c in itertools.product(ROCM_LEVELS, CLEARING, [2], [1, 2], [True], [0, 1])
+     for path in ([True, False] if c[0] == "O5" else [None])]
 
 
 @pytest.mark.parametrize("level, clearing, n_opts, n_scalers, shared, inject, fused_step", CASES)
@@ -227,7 +232,7 @@ def test_o2_master_gradients_start_afresh_after_param_grad_none(fused_step):
         o.step()
 
 
-@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("level", ["O1", "O2", "O4", "O5"])
 @STEP_PATHS
 def test_no_clearing_accumulates_like_torch(level, fused_step):
     """Never cleared, gradients add up over steps in torch; amp's unscaled ones do the same."""
@@ -242,7 +247,7 @@ def test_no_clearing_accumulates_like_torch(level, fused_step):
         o.step()
 
 
-@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("level", ["O1", "O2", "O4", "O5"])
 @pytest.mark.parametrize("delay_unscale", [False, True])
 @STEP_PATHS
 def test_accumulation_before_one_step_still_adds(level, delay_unscale, fused_step):
@@ -305,7 +310,7 @@ def test_two_scalers_into_the_same_gradients_sum_the_unscaled_values(level, fuse
 
 # ---- cast_model_type=False -----------------------------------------------------------------------
 
-@pytest.mark.parametrize("level", LEVELS)            # apex accepted False at O1 as well
+@pytest.mark.parametrize("level", LEVELS + ROCM_LEVELS)   # apex accepted False at O1 as well
 @pytest.mark.parametrize("false", [False, "False"])      # apex's argparse string too
 def test_cast_model_type_false_leaves_the_model_fp32(level, false):
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))

@@ -38,7 +38,26 @@ def test_cuda_models_default_to_fp16(level, param_dtype, out_dtype):
             torch.testing.assert_close(p, m.to(p.dtype), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("level, param_dtype, autocast_dtype", [
+    ("O4", torch.float32, torch.bfloat16), ("O5", torch.bfloat16, None)])
+def test_cuda_rocm_levels_are_bf16_where_o1_and_o2_are_fp16(level, param_dtype, autocast_dtype):
+    model = Net().cuda()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
+    seen = []
+    model.fc1.register_forward_hook(
+        lambda module, args, out: seen.append((out.dtype, torch.is_autocast_enabled("cuda"))))
+    assert model.fc1.weight.dtype == param_dtype and model.bn.weight.dtype == torch.float32
+    assert model(batch(0)[0].cuda()).dtype == torch.float32
+    assert seen == [(torch.bfloat16, autocast_dtype is not None)]
+    assert amp._amp_state.opt_properties.patch_torch_functions_type == autocast_dtype
+    for step in range(3):
+        _cuda_step(model, opt, step)
+    assert amp.loss_scalers()[0].loss_scale == 1.0
+    assert opt._apex_lite_amp.path.fused == (level == "O5")
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O4", "O5"])
 def test_cuda_skip_is_bit_for_bit(level):
     model = Net().cuda()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)

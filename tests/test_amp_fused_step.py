@@ -566,15 +566,26 @@ def test_options_the_kernels_do_not_compute_take_the_unfused_step(options):
     assert next(iter(options)) in opt._apex_lite_amp.path.why
 
 
-@pytest.mark.parametrize("level", ["O0", "O1", "O3"])
-def test_other_levels_take_the_unfused_step_and_say_why(level):
+@pytest.mark.parametrize("level, kwargs", [("O0", {}), ("O1", {}), ("O3", {}), ("O4", {}),
+                                           ("O3", dict(master_weights=True)),
+                                           ("O0", dict(master_weights=True)),
+                                           ("O5", dict(master_weights=False))])
+def test_other_levels_take_the_unfused_step_and_say_why(level, kwargs):
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
+    model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0, **kwargs)
     assert not opt._apex_lite_amp.path.fused
-    assert f"the fused step runs at O2 (fp32 master weights), not at {level}" in \
+    assert f"the fused step runs at O2 and O5 (fp32 master weights), not at {level}" in \
         opt._apex_lite_amp.path.why
     other = torch.nn.Linear(4, 2)
     with pytest.raises(ValueError, match="fused_step=True"):
         amp.initialize(other, torch.optim.SGD(other.parameters(), lr=0.1), opt_level=level,
-                       fused_step=True)
+                       fused_step=True, **kwargs)
+
+
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_o2_and_o5_take_the_fused_step(level):
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0, fused_step=True)
+    assert opt._apex_lite_amp.path.fused

@@ -3,14 +3,16 @@
 - ``optimizer.load_state_dict`` never refuses torch's part because of the amp part it carries:
   what of the amp part does not fit is left out, with one WARNING saying what and why.
 - ``amp.load_state_dict`` of a state saved at another level loads what carries over, at INFO:
-  the loss scale and its counters between dynamic levels (O1 <-> O2); a static level keeps its
-  static scale; O2's masters are not needed (the model's state_dict holds the fp32 values). It
-  still refuses, changing nothing, what is not an amp state and a different number of losses.
+  the loss scale and its counters between dynamic levels (O1 <-> O2); a static level (O0, O3,
+  ROCm apex's O4 and O5) keeps its static scale; O2's and O5's masters are not needed (the
+  model's state_dict holds the fp32 values). It still refuses, changing nothing, what is not an
+  amp state and a different number of losses.
 - Model, optimizer and amp state saved at each level load into a fresh run at each other level
   and training continues; the optimizer's moments and steps are restored exactly (as torch casts
-  them to the parameters' dtype), the loss scale too between O1 and O2.
+  them to the parameters' dtype), the loss scale too between O1 and O2. The model's
+  state_dict() holds no half tensor at any level.
 
-Every ordered pair of O0..O3, the O2 side on both step paths.
+Every ordered pair of O0..O5, the O2 and O5 sides on both step paths.
 """
 from __future__ import annotations
 
@@ -24,8 +26,9 @@ from amp_helpers import Net, assert_bitwise_equal, inject_inf, snapshot, train_s
 from apex_lite import amp
 from apex_lite.amp.optimizer import AMP_STATE_KEY
 
-LEVELS = ["O0", "O1", "O2", "O3"]
+LEVELS = ["O0", "O1", "O2", "O3", "O4", "O5"]
 DYNAMIC = {"O1", "O2"}   # the levels whose loss scale is dynamic by default
+MASTERS = {"O2", "O5"}   # the levels with fp32 master weights, and two step paths
 
 
 def _pairs():
@@ -33,7 +36,7 @@ def _pairs():
         for resumed in LEVELS:
             if saved == resumed:
                 continue
-            if "O2" in (saved, resumed):
+            if MASTERS & {saved, resumed}:
                 for fused in (True, False):
                     path = "fused" if fused else "unfused"
                     yield pytest.param(saved, resumed, fused, id=f"{saved}-{resumed}-{path}")
@@ -46,9 +49,9 @@ def _setup(level, fused_step, seed=0, num_losses=1, verbosity=0):
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     model, opt = amp.initialize(model, opt, opt_level=level, num_losses=num_losses,
-                                fused_step=fused_step if level == "O2" else None,
+                                fused_step=fused_step if level in MASTERS else None,
                                 verbosity=verbosity)
-    assert opt._apex_lite_amp.path.fused == bool(fused_step and level == "O2")
+    assert opt._apex_lite_amp.path.fused == bool(fused_step and level in MASTERS)
     return model, opt
 
 
@@ -74,6 +77,7 @@ def _saved_run(level, fused_step):
     _train(model, opt, range(4), overflow_at={1})
     checkpoint = copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict(),
                                 "amp": amp.state_dict()})
+    assert all(v.dtype in (torch.float32, torch.int64) for v in checkpoint["model"].values())
     return checkpoint, _scaler()
 
 

@@ -66,7 +66,7 @@ def test_without_the_alias_the_client_takes_its_no_apex_path(tmp_path):
 
 
 @no_apex_here
-@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("level", ["O1", "O2", "O4", "O5"])
 def test_the_client_trains_clips_and_checkpoints_through_the_alias(tmp_path, level):
     result = _client(tmp_path, "--opt-level", level)
     assert result["has_apex"] and result["amp_module"] == "apex_lite.amp"
@@ -80,8 +80,48 @@ def test_the_client_trains_clips_and_checkpoints_through_the_alias(tmp_path, lev
     assert result["saved_scaler"]["unskipped"] > 0
     assert result["resumed_scaler"] == result["saved_scaler"]
     assert result["resumed_outputs_equal"]
-    assert result["model_dtype"] == ("torch.bfloat16" if level == "O2" else "torch.float32")
-    assert result["master_dtype"] == "torch.float32"   # O2: the fp32 masters
+    assert result["model_dtype"] == ("torch.bfloat16" if level in ("O2", "O5")
+                                     else "torch.float32")
+    assert result["master_dtype"] == "torch.float32"   # O2, O5: the fp32 masters
+
+
+@no_apex_here
+def test_rocm_apex_code_runs_o4_and_o5_through_the_alias(tmp_path):
+    """tests/rocm_apex_client.py, code written for ROCm apex: its levels, rules and bfloat16
+    functions through ``from apex import amp`` (issue 43)."""
+    out = tmp_path / "result.json"
+    result = _python(f"import apex_lite\napex_lite.install_apex_alias()\n"
+                     f"import rocm_apex_client\n"
+                     f"raise SystemExit(rocm_apex_client.main(['--out', {str(out)!r}]))")
+    assert result.returncode == 0, result.stderr
+    result = json.loads(out.read_text())
+    o4, o5 = result["levels"]["O4"], result["levels"]["O5"]
+    # ROCm apex's properties (frontend.py), as str() of each option.
+    rocm = {"O4": ["None", "True", "torch.bfloat16", "None", "None", "1.0"],
+            "O5": ["torch.bfloat16", "None", "None", "True", "True", "1.0"]}
+    names = ["cast_model_type", "patch_torch_functions", "patch_torch_functions_type",
+             "keep_batchnorm_fp32", "master_weights", "loss_scale"]
+    for level, seen in (("O4", o4), ("O5", o5)):
+        assert seen["options"]["opt_level"] == level
+        assert [seen["options"][name] for name in names] == rocm[level]
+    for level in (o4, o5):
+        assert level["losses"][-1] < 0.3 * level["losses"][0]
+        assert level["loss_scale"] == 1.0 and level["amp_state"] == {"loss_scale": 1.0,
+                                                                    "unskipped": 20}
+        assert level["state_dict_dtypes"] == ["torch.float32", "torch.int64"]
+    assert (o4["model_dtype"], o4["bn_dtype"]) == ("torch.float32", "torch.float32")
+    assert (o5["model_dtype"], o5["bn_dtype"]) == ("torch.bfloat16", "torch.float32")
+    assert all(len(losses) == 2 for losses in result["resumed"].values())
+    refusals = result["refusals"]
+    assert all(message is not None for message in refusals.values()), refusals
+    assert "master_weights with O1 and O4" in refusals["O4 master_weights"]
+    assert "must be torch.bfloat16 at opt_level 'O4'" in refusals["O4 fp16 patch type"]
+    assert "must be torch.float16 at opt_level 'O1'" in refusals["O1 bf16 patch type"]
+    assert "opt_level='O1' or 'O4'" in refusals["O2 patch type"]
+    assert "opt_level='O1' or 'O4'" in refusals["O5 patching"]
+    assert "Options are 'O0', 'O1', 'O2', 'O3', 'O4', 'O5'" in refusals["O6"]
+    assert result["bfloat16_functions"] == {"registered": "torch.bfloat16",
+                                            "decorated": "torch.bfloat16"}
 
 
 @no_apex_here

@@ -15,7 +15,7 @@ opt level.
 Tolerances, from the numbers measured when the test was written (2 ranks, gloo, CPU):
 - O0 (fp32): the distance between the two runs' master weights after 20 steps is at most 1e-5
   of the distance the weights travelled (measured 1.6e-7: summation order only);
-- O1-O3 (bf16): at most 3% (measured 0.4-1.1%, accumulation cases included). Each rank rounds
+- O1-O5 (bf16): at most 3% (measured 0.4-1.1%, accumulation cases included). Each rank rounds
   its half-batch gradient products to bf16 before FSDP2 sums them in fp32, where one process
   rounds the whole batch's;
 - gradient norms for clipping: 2% relative (measured at most 0.5%);
@@ -153,6 +153,9 @@ def test_the_fused_and_the_unfused_step_train_alike_on_shards(runs, name):
 def test_O2_and_O3_compute_in_half_and_keep_what_each_level_keeps(runs, path):
     cases = runs["main"][0]["cases"]
     assert all(m.dtype == torch.float32 for m in cases[f"O2_{path}"]["masters"])   # masters
+    assert all(m.dtype == torch.float32 for m in cases[f"O5_{path}"]["masters"])
+    assert all(m.dtype == torch.float32 for m in cases["O4"]["masters"])   # fp32 weights
+    assert cases[f"O5_{path}"]["scale"] == [1.0] * len(cases[f"O5_{path}"]["scale"])
     assert all(m.dtype == torch.bfloat16 for m in cases["O3"]["masters"])  # O3: no masters
     report = cases[f"O2_{path}"]["report"]
     assert "all-gathered in torch.bfloat16" in report
@@ -219,6 +222,13 @@ def test_batchnorm_kept_fp32_in_units_of_its_own(runs, path):
     ("O1_half_policy", ["computes in torch.bfloat16", "O1 computes in float32 under autocast",
                         "opt_level='O2'"]),
     ("O0_half_reduce", ["reduces gradients in torch.bfloat16", "reduce_dtype=torch.float32"]),
+    ("O4_half_policy", ["computes in torch.bfloat16", "O4 computes in float32 under autocast",
+                        "opt_level='O2' or 'O5'"]),
+    ("O5_no_policy", ["opt_level='O5'", "O5 computes in torch.bfloat16",
+                      "MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
+                      "reduce_dtype=torch.float32)"]),
+    ("O5_fp16_policy", ["computes in torch.float16, but O5 computes in torch.bfloat16",
+                        "opt_level='O2' with half_dtype=torch.float16"]),
     ("O2_fp16_policy", ["computes in torch.float16, but O2 computes in torch.bfloat16",
                         "half_dtype=torch.float16"]),
     ("O3_fp32_policy", ["computes in torch.float32, but O3 computes in torch.bfloat16"]),

@@ -11,9 +11,9 @@ your own ``AmpHandle()`` to keep two independent configurations.
 """
 from __future__ import annotations
 
-from .casting import (disable_casts, float_function, half_function, promote_function,
-                      register_float_function, register_half_function,
-                      register_promote_function)
+from .casting import (bfloat16_function, disable_casts, float_function, half_function,
+                      promote_function, register_bfloat16_function, register_float_function,
+                      register_half_function, register_promote_function)
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .diagnostics import DEFAULT_OVERFLOW_PATIENCE, NonfiniteLocator, OverflowStuckError
 from ..apex_compat.amp_state import AmpStateView
@@ -25,8 +25,9 @@ from .scaler import DEFAULT_SCALE_WINDOW, DEFAULT_SYNC_INTERVAL, LossScaler
 __all__ = [
     "initialize", "scale_loss", "state_dict", "load_state_dict", "master_params", "loss_scalers",
     "clip_grad_norm_",
-    "half_function", "float_function", "promote_function", "register_half_function",
-    "register_float_function", "register_promote_function", "disable_casts", "AmpHandle",
+    "half_function", "bfloat16_function", "float_function", "promote_function",
+    "register_half_function", "register_bfloat16_function", "register_float_function",
+    "register_promote_function", "disable_casts", "AmpHandle",
     "OPT_LEVELS", "OptLevel", "Properties", "LossScaler", "default_handle", "locate_nonfinite",
     "report", "AmpReport", "NonfiniteLocator", "OverflowStuckError", "save_checkpoint",
     "load_checkpoint", "CheckpointError",
@@ -52,21 +53,30 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                keep_fp32_modules=(), hysteresis=1, scale_window=DEFAULT_SCALE_WINDOW,
                process_group=None, overflow_patience=DEFAULT_OVERFLOW_PATIENCE,
                locate_nonfinite=False, fused_step=None, sync_interval=DEFAULT_SYNC_INTERVAL,
-               frozen_master_weights=False):
-    """Set models and optimizers up for mixed precision at ``opt_level`` ("O0".."O3"), as apex.
+               patch_torch_functions_type=None, frozen_master_weights=False):
+    """Set models and optimizers up for mixed precision at ``opt_level``, as apex: NVIDIA apex's
+    "O0" to "O3", or ROCm apex's "O4" (O1 in bf16) and "O5" (O2 in bf16), both with a static
+    loss scale of 1.0. An unknown level or contradictory overrides raise ``OptLevelError`` (a
+    ValueError and apex's RuntimeError) before anything changes.
 
     Returns ``(model, optimizer)``, each a list only where a list was passed, or the model(s)
     alone when no optimizer was passed. The objects are the ones passed in, modified in place.
 
     Models sharded with PyTorch FSDP2 (``fully_shard``) are initialized after sharding and
-    after the optimizer is built over the sharded parameters. At O2 each unit needs
+    after the optimizer is built over the sharded parameters. At O2 and O5 each unit needs
     ``MixedPrecisionPolicy(param_dtype=half)``, and the sharded fp32 parameters are the master
     weights; see ``apex_lite.amp.fsdp`` for each level and what is refused.
 
+    ``patch_torch_functions_type`` (ROCm apex's argument; keyword-only here, so that NVIDIA
+    apex's positional order stays): the dtype autocast runs in, which may be set only at O1
+    (torch.float16) and O4 (torch.bfloat16), as in ROCm apex; None: the level's (O1: the run's
+    half dtype; O4: bf16). ``amp._amp_state.opt_properties`` and ``amp.report()`` show it.
+
     Keyword-only extensions (their defaults keep apex's behaviour):
-      half_dtype: torch.float16 or torch.bfloat16; default fp16 for CUDA models, bf16 for CPU.
+      half_dtype: torch.float16 or torch.bfloat16; default fp16 for CUDA models, bf16 for CPU
+        (O4 and O5 are bf16 levels: another half_dtype is refused there).
       keep_fp32_modules: module types or qualified names (fnmatch patterns allowed) kept fp32
-        when the model is cast to half (O2/O3), beside BatchNorm's ``keep_batchnorm_fp32``.
+        when the model is cast to half (O2/O3/O5), beside BatchNorm's ``keep_batchnorm_fp32``.
       hysteresis: overflows tolerated before the dynamic scale is halved (1: every overflow).
       scale_window: clean steps before the dynamic scale doubles (apex: 2000).
       process_group: the group the overflow flag is all-reduced over when torch.distributed is
@@ -78,9 +88,9 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
         names the parameters whose gradients were, and turns the locator on. None: never.
       locate_nonfinite: turn on ``amp.locate_nonfinite`` for the models (one host sync per
         module per forward: for debugging).
-      fused_step: None (default): at O2, an optimizer whose update apex_lite's kernels compute
-        (torch.optim.SGD, Adam, AdamW and apex_lite.optimizers) steps in one kernel pass from
-        the half gradients, with no fp32 master gradients (amp.report() says which path each
+      fused_step: None (default): at O2 and O5, an optimizer whose update apex_lite's kernels
+        compute (torch.optim.SGD, Adam, AdamW and apex_lite.optimizers) steps in one kernel pass
+        from the half gradients, with no fp32 master gradients (amp.report() says which path each
         optimizer takes, and why); others take the unfused step. True: require the fused step
         (an error names the optimizer that cannot take it). False: the unfused step everywhere.
       sync_interval: when every optimizer takes the fused step, the loss scale and the skip
@@ -113,6 +123,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
         scale_window=scale_window, process_group=process_group,
         overflow_patience=overflow_patience, locate_nonfinite=locate_nonfinite,
         fused_step=fused_step, sync_interval=sync_interval,
+        patch_torch_functions_type=patch_torch_functions_type,
         frozen_master_weights=frozen_master_weights)
 
 

@@ -1,5 +1,5 @@
-"""Where dtypes change: the model's forward (autocast for O1, input/output casts for O2/O3), the
-modules kept fp32 inside a half model, and apex's function decorators.
+"""Where dtypes change: the model's forward (autocast for O1/O4, input/output casts for
+O2/O3/O5), the modules kept fp32 inside a half model, and apex's function decorators.
 
 Nothing here patches torch: a model's forward is wrapped on that model instance only, and the
 decorators act only while ``torch.autocast`` is enabled (so they work under O1 and under a user's
@@ -168,6 +168,8 @@ def _decorate(kind: str, fn: Callable) -> Callable:
             return original(*args, **kwargs)
         if kind == "half":
             dtype = autocast_dtype
+        elif kind == "bfloat16":
+            dtype = torch.bfloat16
         elif kind == "float":
             dtype = torch.float32
         else:
@@ -182,6 +184,12 @@ def half_function(fn: Callable) -> Callable:
     """Under autocast, run ``fn`` with its floating tensor arguments cast to autocast's half
     dtype; elsewhere call it unchanged."""
     return _decorate("half", fn)
+
+
+def bfloat16_function(fn: Callable) -> Callable:
+    """Under autocast (in either half dtype), run ``fn`` with its floating tensor arguments cast
+    to bfloat16 (ROCm apex's decorator); elsewhere call it unchanged."""
+    return _decorate("bfloat16", fn)
 
 
 def float_function(fn: Callable) -> Callable:
@@ -208,6 +216,11 @@ def register_half_function(module, name: str) -> None:
     """Make ``module.name`` a ``half_function`` (replaces the attribute on that module, at your
     request; registering again with another kind replaces the earlier registration)."""
     _register("half", module, name)
+
+
+def register_bfloat16_function(module, name: str) -> None:
+    """Make ``module.name`` a ``bfloat16_function`` (ROCm apex's registry form)."""
+    _register("bfloat16", module, name)
 
 
 def register_float_function(module, name: str) -> None:

@@ -7,13 +7,14 @@ other order cannot work: ``fully_shard`` replaces every parameter by a DTensor s
 the optimizer would hold tensors the model no longer uses. amp names the supported order at the
 first ``scale_loss`` or ``step()`` after such a ``fully_shard`` (``sharded_after_initialize``).
 
-How the opt levels run on FSDP2 (decided here, and why):
+How the opt levels run on FSDP2 (decided here, and why; the checks read the run's properties,
+not the level's name, so O4 runs as O1 and O5 as O2):
 
-- O0, O1: every unit computes in fp32 (no ``param_dtype``, or float32). O1 runs the forward under
-  autocast, as without FSDP. Gradients are fp32 shards.
-- O2: the sharded fp32 parameters are the master weights; nothing is copied. The half compute is
-  FSDP2's own: ``MixedPrecisionPolicy(param_dtype=half)`` all-gathers each unit's shards in half
-  for its forward and backward. FSDP2 reduce-scatters the gradients and writes them into fp32
+- O0, O1, O4: every unit computes in fp32 (no ``param_dtype``, or float32), under autocast at
+  O1 and O4 as without FSDP. Gradients are fp32 shards.
+- O2, O5: the sharded fp32 parameters are the master weights; nothing is copied. The half compute
+  is FSDP2's own: ``MixedPrecisionPolicy(param_dtype=half)`` all-gathers each unit's shards in
+  half for its forward and backward. FSDP2 reduce-scatters the gradients and writes them into fp32
   gradient shards, which amp unscales and checks like an fp32 model's. The step path is chosen
   as without FSDP (``step_path.choose``): the fused step updates each master shard and its
   optimizer state in one pass over the local shards; the unfused step unscales the gradient
@@ -33,14 +34,14 @@ How the opt levels run on FSDP2 (decided here, and why):
   fp32 reduce costs only the reduce-scatter's bytes (twice a half reduce's). In return the sum of
   the ranks' scaled gradients is not rounded to 8 bits (bf16) or 11 bits (fp16), and in fp16 a
   sum of finite terms cannot overflow into a skip that no rank's own gradients asked for. A
-  ``reduce_dtype`` equal to the run's half dtype is accepted (at O1-O3) for its bandwidth.
+  ``reduce_dtype`` equal to the run's half dtype is accepted (where it computes in half).
 - Kept fp32 modules (``keep_batchnorm_fp32``, ``keep_fp32_modules``): FSDP2 computes every
   parameter of a unit in one dtype, so each kept module must be a unit of its own that computes
   in fp32 (``fully_shard(model.bn)``, no ``param_dtype``). amp casts such a module's input to fp32
   and its output back to half, as without FSDP. A kept module inside a half unit is refused, and
   the message names the calls.
 - Parameters outside every unit (a model partly sharded, with no ``fully_shard`` at its root)
-  are plain tensors and take amp's usual path (O2: cast to half, with fp32 master copies).
+  are plain tensors and take amp's usual path (O2, O5: cast to half, with fp32 master copies).
   FSDP2 does not synchronise their gradients; that stays the user's business, as without amp.
 - The overflow flag is all-reduced (MAX) over the process group of the parameters' device mesh,
   so every rank skips or steps together. Norms for clipping sum the local shards' squares over
@@ -67,7 +68,7 @@ from ..optimizers.fused_lamb import FusedLAMB
 from ..optimizers.fused_novograd import FusedNovoGrad
 from ..optimizers.update import dtensor_class, local_shards
 from . import casting
-from .opt_levels import HALF_DTYPES
+from .opt_levels import HALF_DTYPES, OPT_LEVELS
 
 __all__ = ["Sharding", "inspect", "is_sharded", "local_shards", "sharded_after_initialize",
            "newly_sharded", "registered_unsharded"]
@@ -177,6 +178,7 @@ class Sharding:
         half = properties.half_dtype
         casts_half = properties.cast_model_type in HALF_DTYPES
         level = properties.opt_level
+        computes_half = casts_half or properties.patch_torch_functions_type is not None
         missing: List[Unit] = []
         for unit in self.units:
             kept_ids = {id(p) for _, module in kept[unit.model_index]
@@ -198,13 +200,13 @@ class Sharding:
                     missing.append(unit)
                     continue
                 raise ValueError(self._conflict_message(unit, properties, want, is_kept))
-            allowed = (None, torch.float32) if level == "O0" else (None, torch.float32, half)
+            allowed = (None, torch.float32, half) if computes_half else (None, torch.float32)
             if unit.policy.reduce_dtype not in allowed:
                 raise ValueError(
                     f"amp.initialize(opt_level={level!r}): {self._where(unit)} reduces "
                     f"gradients in {unit.policy.reduce_dtype} (MixedPrecisionPolicy's "
                     f"reduce_dtype), but at {level} the reduce runs in float32"
-                    f"{'' if level == 'O0' else f' or in the half dtype {half}'}. Pass "
+                    f"{f' or in the half dtype {half}' if computes_half else ''}. Pass "
                     f"reduce_dtype=torch.float32 to its fully_shard call.")
         if missing:
             raise ValueError(self._missing_policy_message(missing, properties))
@@ -291,19 +293,21 @@ class Sharding:
                     f"({_KEEP_OPTIONS}), but its MixedPrecisionPolicy "
                     f"computes them in {computes}. Give it no param_dtype: "
                     f"{self._call(unit, '')}.")
-        if want == torch.float32:   # O0, O1, or a model left in fp32
+        if want == torch.float32:   # O0, O1, O4, or a model left in fp32
+            levels = "'O2' or 'O5'" if computes == torch.bfloat16 else "'O2'"
             return (f"amp.initialize(opt_level={level!r}): {where} computes in {computes} "
                     f"(MixedPrecisionPolicy(param_dtype={computes})), but {level} computes in "
-                    f"float32{' under autocast' if level == 'O1' else ''}. For half compute "
-                    f"with fp32 master weights on FSDP2, use opt_level='O2' with this policy; "
-                    f"or remove param_dtype from its fully_shard call.")
+                    f"float32{' under autocast' if properties.patch_torch_functions else ''}. "
+                    f"For half compute with fp32 master weights on FSDP2, use opt_level={levels} "
+                    f"with this policy; or remove param_dtype from its fully_shard call.")
         if properties.master_weights:
             fix = f"{self._policy_line(half)}; {self._call(unit, 'mp_policy')}"
         else:
             fix = (f"{self._call(unit, '')} (amp casts the shards to {half}) or "
                    f"mp_policy=MixedPrecisionPolicy(param_dtype={half})")
-        other = f"; or choose half_dtype={computes} in amp.initialize" \
-            if computes in HALF_DTYPES else ""
+        like = OPT_LEVELS[level].like   # O5 is bf16 by definition: O2 takes another half dtype
+        other = f"; or choose {f'opt_level={like!r} with ' if like else ''}half_dtype={computes} " \
+            f"in amp.initialize" if computes in HALF_DTYPES else ""
         return (f"amp.initialize(opt_level={level!r}): {where} computes in {computes}, but "
                 f"{level} computes in {want} (half_dtype). Pass the policy of the level: "
                 f"{fix}{other}.")

@@ -46,7 +46,8 @@ class AmpHandle:
                    scale_window=DEFAULT_SCALE_WINDOW, process_group=None,
                    overflow_patience=diagnostics.DEFAULT_OVERFLOW_PATIENCE,
                    locate_nonfinite=False, fused_step=None,
-                   sync_interval=DEFAULT_SYNC_INTERVAL, frozen_master_weights=False):
+                   sync_interval=DEFAULT_SYNC_INTERVAL, patch_torch_functions_type=None,
+                   frozen_master_weights=False):
         """apex's ``amp.initialize``; see ``apex_lite.amp.initialize`` for the extensions."""
         model_list, models_was_list = _as_list(models, torch.nn.Module, "models")
         if optimizers is None:
@@ -71,6 +72,7 @@ class AmpHandle:
         properties = resolve_properties(
             opt_level, device_type=device_type, half_dtype=half_dtype,
             cast_model_type=cast_model_type, patch_torch_functions=patch_torch_functions,
+            patch_torch_functions_type=patch_torch_functions_type,
             keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights,
             loss_scale=loss_scale, cast_model_outputs=cast_model_outputs)
         init_checks.check_scale_args(num_losses, verbosity, min_loss_scale, max_loss_scale,
@@ -126,9 +128,10 @@ class AmpHandle:
                         OPT_LEVELS[opt_level].brief)
             logger.info("Defaults for this optimization level, with overrides applied: %s",
                         properties.describe())
-            slow = init_checks.slow_cpu_half(device_type, properties)
-            if slow:
-                logger.warning(slow)
+            for warning in (init_checks.slow_cpu_half(device_type, properties),
+                            init_checks.static_scale_in_fp16(properties)):
+                if warning:
+                    logger.warning(warning)
         return result()
 
     # ---- scale_loss -------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from typing import Dict, Optional
 import torch
 
 from . import casting
-from .opt_levels import HALF_DTYPES, Properties
+from .opt_levels import HALF_DTYPES, OPT_LEVELS, Properties
 from .optimizer import MARK
 
 
@@ -150,6 +150,20 @@ def slow_cpu_half(device_type: str, properties: Properties) -> Optional[str]:
             f"O0 on this machine.")
 
 
+def static_scale_in_fp16(properties: Properties) -> Optional[str]:
+    """Why a level made for bf16 (O4, O5), overridden into fp16, will likely lose gradients, or
+    None. ROCm apex accepts ``cast_model_type=torch.float16`` at O5 and keeps O5's static loss
+    scale 1.0; so does apex_lite, with this warning."""
+    level = OPT_LEVELS[properties.opt_level]
+    if level.half_dtype is None or properties.half_dtype == level.half_dtype \
+            or properties.dynamic:
+        return None
+    return (f"{properties.opt_level} is made for {level.half_dtype}, whose range is fp32's; with "
+            f"{properties.half_dtype} it keeps its static loss scale {properties.loss_scale}, so "
+            f"gradients below 2**-24 flush to zero and those above 65504 overflow (every such "
+            f"step is skipped). Pass loss_scale='dynamic', or use opt_level='{level.like}'.")
+
+
 def check_fused_step(fused_step) -> None:
     if fused_step not in (None, True, False):
         raise ValueError(f"fused_step must be None (the fused step where it applies), True "
@@ -165,7 +179,8 @@ def keep_fp32_rules(keep_fp32_modules, properties: Properties, models) -> tuple:
     keep_fp32_modules = tuple(keep_fp32_modules)
     if keep_fp32_modules and properties.cast_model_type not in HALF_DTYPES:
         raise ValueError(f"keep_fp32_modules keeps modules fp32 inside a model cast to half "
-                         f"(O2, O3), but {properties.opt_level} does not cast the model to half")
+                         f"(O2, O3, O5), but {properties.opt_level} does not cast the model to "
+                         f"half")
     casting.check_keep_rules(models, keep_fp32_modules)
     return keep_fp32_modules
 

@@ -3,7 +3,7 @@ the modules kept fp32, the kernel backend per device, shapes that miss the tenso
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -23,7 +23,9 @@ class AmpReport:
     ``kept_fp32`` the modules kept fp32 per model; ``backends[device] = (name, why)``;
     ``not_multiple_of_8`` one line per Linear/Conv whose matmul dimensions are not multiples of 8
     (fp16/bf16 tensor cores want them); ``sharding`` lines on a model sharded with FSDP2, whose
-    tensors are counted as this rank's shards. ``str()`` gives the readable report."""
+    tensors are counted as this rank's shards; ``patch_torch_functions`` and
+    ``patch_torch_functions_type``, whether the forward runs under autocast and in which dtype
+    (None: no autocast). ``str()`` gives the readable report."""
     opt_level: str
     half_dtype: torch.dtype
     tensors: Dict[str, Dict[torch.dtype, Tuple[int, int]]]
@@ -33,9 +35,15 @@ class AmpReport:
     bytes_per_parameter: float = 0.0
     step_paths: List[str] = dataclasses.field(default_factory=list)
     sharding: List[str] = dataclasses.field(default_factory=list)
+    patch_torch_functions: Optional[bool] = None
+    patch_torch_functions_type: Optional[torch.dtype] = None
 
     def __str__(self) -> str:
         lines = [f"apex_lite.amp report: opt_level {self.opt_level}, half dtype {self.half_dtype}"]
+        autocast = f"under torch.autocast in {self.patch_torch_functions_type}" \
+            if self.patch_torch_functions_type is not None else "not under autocast"
+        lines.append(f"  forward: {autocast} (patch_torch_functions={self.patch_torch_functions}, "
+                     f"patch_torch_functions_type={self.patch_torch_functions_type})")
         for kind, per_dtype in self.tensors.items():
             if not per_dtype:
                 lines.append(f"  {kind}: none")
@@ -154,6 +162,8 @@ def build_report(run, models: Sequence[torch.nn.Module],
         backends={d: multi_tensor.backend(torch.device(d)) for d in devices},
         not_multiple_of_8=_dimension_lines(models),
         sharding=[] if run.sharding is None else _sharding_lines(run.sharding, held),
+        patch_torch_functions=run.properties.patch_torch_functions,
+        patch_torch_functions_type=run.properties.patch_torch_functions_type,
     )
 
 

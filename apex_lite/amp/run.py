@@ -227,14 +227,14 @@ def prepare_model(run: _Run, index: int, model: torch.nn.Module, keep_fp32_modul
                                     cast_shards=not props.master_weights)
         else:
             casting.cast_model(model, cast_type, kept)
-    if cast_type is not None:
-        casting.wrap_forward(model, input_dtype=cast_type,
-                             output_dtype=props.cast_model_outputs or torch.float32)
-    elif props.patch_torch_functions:
-        # Outputs leave in fp32 unless asked otherwise: the loss is usually computed outside
-        # the model's forward, beyond autocast's reach, and apex's O1 ran loss functions in
-        # fp32 (by patching torch), so a half loss there would be a silent loss of precision.
-        casting.wrap_forward(model, autocast_dtype=props.half_dtype,
+    # Inputs are cast to the model's type (a no-op cast at O1/O4 with cast_model_type=fp32,
+    # where autocast still runs, as apex kept patching). Outputs leave in fp32 unless asked
+    # otherwise: under autocast the loss is usually computed outside the model's forward, beyond
+    # autocast's reach, and apex's O1 ran loss functions in fp32 (by patching torch), so a half
+    # loss there would be a silent loss of precision.
+    autocast_dtype = props.patch_torch_functions_type
+    if cast_type is not None or autocast_dtype is not None:
+        casting.wrap_forward(model, input_dtype=cast_type, autocast_dtype=autocast_dtype,
                              output_dtype=props.cast_model_outputs or torch.float32)
     elif props.cast_model_outputs is not None:
         casting.wrap_forward(model, output_dtype=props.cast_model_outputs)

@@ -60,9 +60,9 @@ class Accepted:
     """What of a checked amp state loads into a run. At the run's own opt level (or from apex,
     which records none): all of it. At another level: the loss scale and its counters only
     between levels whose scaling is dynamic (O1 and O2; the saved level's default tells the
-    saved side, the run's own scaling this side); a static scale stays the run's own; O2's
-    master weights are needed by no other level (the model's ``state_dict()`` holds the fp32
-    weights at every level) and are left out."""
+    saved side, the run's own scaling this side); a static scale (O0, O3, O4, O5) stays the
+    run's own; the master weights of O2 or O5 are needed by no other level (the model's
+    ``state_dict()`` holds the fp32 weights at every level) and are left out."""
 
     def __init__(self, properties: Properties, saved_level: Optional[str], holds_masters: bool):
         self.level = properties.opt_level

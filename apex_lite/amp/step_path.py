@@ -54,8 +54,8 @@ def choose(optimizer: torch.optim.Optimizer, index: int, properties,
     raises when ``fused_step=True`` and it cannot."""
     if fused_step is False:
         return "fused_step=False"
-    if properties.opt_level != "O2" or not properties.master_weights:
-        why = (f"the fused step runs at O2 (fp32 master weights), not at "
+    if not properties.keeps_master_weights:
+        why = (f"the fused step runs at O2 and O5 (fp32 master weights), not at "
                f"{properties.opt_level}{'' if properties.master_weights else ' without them'}")
     else:
         why = fusable.unfused_reason(optimizer)

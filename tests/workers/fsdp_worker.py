@@ -96,6 +96,11 @@ CASES = [
     Case("O1_clip_inf", "O1", "nested", clip=("amp", 0.05, math.inf)),
     Case("O1_accumulate_delay_unscale", "O1", "unsharded_after_forward", micro=2,
          delay_unscale=True),
+    # ROCm apex's levels: O1 and O2 in bf16 with a static loss scale of 1.0 (issue 43).
+    Case("O4", "O4", "nested"),
+    *on_both_paths(Case("O5", "O5", "nested"),
+                   Case("O5_adamw_clip", "O5", "nested", optimizer="adamw",
+                        clip=("amp", 0.5, 2.0))),
     *on_both_paths(
         Case("O2", "O2", "nested"),
         Case("O2_partial", "O2", "partial"),
@@ -136,7 +141,7 @@ def make_optimizer(case: Case, model: torch.nn.Module) -> torch.optim.Optimizer:
 
 def policy_for(level: str, half=torch.bfloat16):
     from torch.distributed.fsdp import MixedPrecisionPolicy
-    if level == "O2":
+    if level in ("O2", "O5"):   # the levels with fp32 master weights compute in half on FSDP2
         return MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
 
@@ -319,6 +324,9 @@ def refusals(amp) -> Dict[str, str]:
         return run
     out["O2_no_policy"] = error_of(with_policy("O2", MixedPrecisionPolicy()))
     out["O1_half_policy"] = error_of(with_policy("O1", policy_for("O2")))
+    out["O4_half_policy"] = error_of(with_policy("O4", policy_for("O2")))
+    out["O5_no_policy"] = error_of(with_policy("O5", MixedPrecisionPolicy()))
+    out["O5_fp16_policy"] = error_of(with_policy("O5", policy_for("O2", torch.float16)))
     out["O0_half_reduce"] = error_of(with_policy(
         "O0", MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)))
     out["O2_fp16_policy"] = error_of(with_policy("O2", policy_for("O2", torch.float16)))
