@@ -208,7 +208,7 @@ class DistributedDataParallel(Module):
     # ---- the forward and the hooks ------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
         """``module(*inputs, **kwargs)``; first re-plans the buckets when the parameters that
-        take gradients changed (added, replaced, ``requires_grad`` switched)."""
+        take gradients changed (added, replaced, ``requires_grad`` switched, cast or moved)."""
         self._reduction = None   # a backward that raised left its reduction unfinished
         if not self._disable_allreduce:
             self._refresh()
@@ -217,7 +217,8 @@ class DistributedDataParallel(Module):
     def _refresh(self) -> None:
         params = [p for p in self.module.parameters() if p.requires_grad]
         if self._plan is not None and len(params) == len(self._plan.params) and \
-                all(a is b for a, b in zip(params, self._plan.params)):
+                all(a is b and a.dtype == dtype and a.device == device
+                    for a, (b, dtype, device) in zip(params, self._plan.placed)):
             return
         for handle in self._hooks:
             handle.remove()

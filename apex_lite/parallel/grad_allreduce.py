@@ -33,6 +33,8 @@ class BucketPlan:
     def __init__(self, params: List[torch.Tensor], message_size: int,
                  trigger_ids: Optional[Set[int]] = None):
         self.params = tuple(params)
+        # What the plan was made for: a parameter cast or moved in place needs another plan.
+        self.placed = tuple((p, p.dtype, p.device) for p in self.params)
         self.buckets: List[List[torch.Tensor]] = []
         open_buckets: Dict[tuple, List] = {}
         for p in reversed(self.params):
