@@ -210,3 +210,20 @@ def test_fused_step_true_refuses_a_larc():
     optimizer = LARC(torch.optim.SGD(model.parameters(), lr=0.25))
     with pytest.raises(ValueError, match="cannot take the fused step"):
         amp.initialize(model, optimizer, opt_level="O2", fused_step=True, verbosity=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_cuda_steps_as_cpu(dtype):
+    """The same rule on the device (no host read per parameter): as the CPU step, to rounding."""
+    results = []
+    for device in ("cpu", "cuda"):
+        params, grads = make_params()
+        params = [Parameter(p.detach().to(device, dtype)) for p in params]
+        for p, g in zip(params, grads):
+            p.grad = g.to(device, dtype)
+        LARC(torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01)).step()
+        results.append([p.detach().cpu().float() for p in params])
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, **tol)

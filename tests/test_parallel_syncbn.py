@@ -17,6 +17,8 @@ from apex_lite.parallel import SyncBatchNorm, convert_syncbn_model, create_syncb
 TOL = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
        torch.float16: dict(rtol=2e-3, atol=2e-3), torch.float64: dict(rtol=1e-9, atol=1e-9)}
 dist_only = pytest.mark.skipif(not parallel_ranks.AVAILABLE, reason=parallel_ranks.REASON)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                reason="no CUDA device"))]
 
 
 @pytest.fixture(scope="module")
@@ -138,9 +140,10 @@ def test_eval_uses_the_running_statistics(ranks):
 
 
 # ---- in this process: apex's single-GPU tests on CPU ---------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("channel_last", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_single_process_unit_test(channel_last, dtype):
+def test_single_process_unit_test(channel_last, dtype, device):
     """apex's python_single_gpu_unit_test.py / single_gpu_unit_test.py: output, gradients and
     running statistics against the formulas in fp64, and against BatchNorm2d."""
     torch.manual_seed(1)
@@ -164,22 +167,22 @@ def test_single_process_unit_test(channel_last, dtype):
         .reshape(feature_size, -1).sum(1)
     grad_bias_r = grad_r.transpose(1, 0).reshape(feature_size, -1).sum(1)
 
-    sbn = SyncBatchNorm(feature_size, channel_last=channel_last).to(dtype)
+    sbn = SyncBatchNorm(feature_size, channel_last=channel_last).to(device, dtype)
     sbn.momentum = 1.0
     with torch.no_grad():
         sbn.weight.copy_(weight)
         sbn.bias.copy_(bias)
     layout = (lambda t: t.movedim(1, -1).contiguous()) if channel_last else (lambda t: t)
-    x = layout(inp).requires_grad_()
+    x = layout(inp).to(device).requires_grad_()
     out = sbn(x)
-    out.backward(layout(grad))
-    back = (lambda t: t.movedim(-1, 1)) if channel_last else (lambda t: t)
+    out.backward(layout(grad).to(device))
+    back = (lambda t: t.movedim(-1, 1).cpu()) if channel_last else (lambda t: t.cpu())
     close(back(out), out_r, dtype)
     close(back(x.grad), grad_input_r, dtype)
-    close(sbn.weight.grad, grad_weight_r, dtype)
-    close(sbn.bias.grad, grad_bias_r, dtype)
-    close(sbn.running_mean, m, dtype)
-    close(sbn.running_var, inp_r.var(1, unbiased=True), dtype)
+    close(sbn.weight.grad.cpu(), grad_weight_r, dtype)
+    close(sbn.bias.grad.cpu(), grad_bias_r, dtype)
+    close(sbn.running_mean.cpu(), m, dtype)
+    close(sbn.running_var.cpu(), inp_r.var(1, unbiased=True), dtype)
 
 
 def test_batchnorm1d():
@@ -215,15 +218,16 @@ def test_gradcheck(fuse_relu, with_z, train, channel_last):
     assert torch.autograd.gradcheck(lambda x, z, w, b: sbn(x, z), (x, z, sbn.weight, sbn.bias))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_input_statistics_in_fp32(dtype):
+def test_half_input_statistics_in_fp32(dtype, device):
     """A half input to an fp32 layer (O2's kept BatchNorm sees fp32, an unkept one half): the
     output is in the input's dtype, the statistics those of the fp32 values."""
     torch.manual_seed(0)
-    x = (torch.randn(64, 3, 5) * 3 + 100).to(dtype)   # a mean far from 0: half sums would drift
-    sbn = SyncBatchNorm(3)
+    x = (torch.randn(64, 3, 5) * 3 + 100).to(device, dtype)   # far from 0: half sums drift
+    sbn = SyncBatchNorm(3).to(device)
     out = sbn(x)
-    ref = torch.nn.BatchNorm1d(3)
+    ref = torch.nn.BatchNorm1d(3).to(device)
     expected = ref(x.float())
     assert out.dtype == dtype
     torch.testing.assert_close(out, expected.to(dtype), **TOL[dtype])
