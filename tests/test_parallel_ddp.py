@@ -102,6 +102,14 @@ def test_a_parameter_without_a_gradient_adds_zeros_and_keeps_none(ranks):
         assert torch.equal(ranks[0]["unused"][name], ranks[1]["unused"][name])
 
 
+def test_apex_race_condition_test(ranks):
+    """apex's tests/distributed/DDP/ddp_race_condition_test.py: with x = i + rank, the averaged
+    gradients sum to val * n * (2i + 1) / 2 (a: val 2, b: val 1), every iteration."""
+    for result in ranks:
+        for i, (a, b) in enumerate(result["race"]):
+            assert (a, b) == (2.0 * 4096 * (2 * i + 1) / 2, 1.0 * 4096 * (2 * i + 1) / 2)
+
+
 def test_reducer_and_flat_dist_call_average_and_broadcast(ranks):
     for result in ranks:
         r = result["reducer"]

@@ -114,6 +114,34 @@ def test_two_gpu_unit_test_under_apex_lite_ddp(ranks, dtype):
 
 
 @dist_only
+def test_different_batch_sizes_under_torch_ddp(ranks):
+    """apex's two_gpu_test_different_batch_size.py with torch's DDP: the outputs, running
+    statistics and weight gradients of Conv2d + BatchNorm2d over the concatenated batch."""
+    torch.manual_seed(2809)
+    reference_model = torch.nn.Sequential(torch.nn.Conv2d(3, 6, 3, 1, 1),
+                                          torch.nn.BatchNorm2d(6)).double()
+    with torch.no_grad():
+        for p, start in zip(reference_model.parameters(), ranks[0]["torch_ddp"]["start"]):
+            p.copy_(start)
+    data = full_batch((24, 3, 8, 8), 50, torch.float32)
+    data[:16] *= 50.0
+    grad = torch.randint(0, 10, (24, 6, 8, 8), generator=torch.Generator().manual_seed(51)) / 10.0
+    output = reference_model(data.double())
+    output.backward(grad.double() / 24)
+    got = torch.cat([ranks[0]["torch_ddp"]["out"], ranks[1]["torch_ddp"]["out"]])
+    torch.testing.assert_close(got.double(), output.detach(), rtol=1e-5, atol=1e-4)
+    for result in ranks:
+        mine = result["torch_ddp"]
+        close(mine["running_mean"], reference_model[1].running_mean, torch.float32)
+        torch.testing.assert_close(mine["running_var"].double(), reference_model[1].running_var,
+                                   rtol=1e-5, atol=1e-2)
+        torch.testing.assert_close(mine["bn_grad"].double(), reference_model[1].weight.grad,
+                                   rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(mine["conv_grad"].double(), reference_model[0].weight.grad,
+                                   rtol=1e-5, atol=1e-4)
+
+
+@dist_only
 def test_process_groups(ranks):
     """create_syncbn_process_group(1): each rank normalises with its own statistics; (2): both
     ranks', as the default group; (0): None."""

@@ -126,6 +126,28 @@ def ddp_suite(rank):
                      for name, p in net.named_parameters()}
     del ddp, net, loss
 
+    # apex's ddp_race_condition_test (4096 elements instead of 4096**2): triggers, several
+    # streams, one-element buckets; the gradient sums it expects, every iteration.
+    class Race(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Parameter(torch.full((4096,), 1.0))
+            self.b = torch.nn.Parameter(torch.full((4096,), 2.0))
+
+        def forward(self, input):
+            return (input * self.a) * self.b
+
+    race = Race()
+    ddp = DDP(race, message_size=1, allreduce_trigger_params=[race.b], num_allreduce_streams=3)
+    sums = []
+    for i in range(4):
+        x_race = torch.full((4096,), float(i + rank))
+        ddp.zero_grad()
+        ddp(x_race).sum().backward()
+        sums.append((race.a.grad.sum().item(), race.b.grad.sum().item()))
+    out["race"] = sums
+    del ddp, race
+
     # Reducer and flat_dist_call: averages and broadcasts.
     torch.manual_seed(200 + rank)
     net = torch.nn.Linear(3, 2)
@@ -198,8 +220,30 @@ SYNCBN_CASES = {
 }
 
 
+def torch_ddp_case(rank):
+    """apex's two_gpu_test_different_batch_size under torch's DDP: Conv2d + SyncBatchNorm, 16
+    samples (scaled by 50) on rank 0 and 8 on rank 1, the gradient weighted by the global
+    batch."""
+    torch.manual_seed(2809)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 6, 3, 1, 1), SyncBatchNorm(6))
+    start = [p.detach().clone() for p in model.parameters()]
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    data = full_batch((24, 3, 8, 8), 50, torch.float32)
+    data[:16] *= 50.0
+    grad = torch.randint(0, 10, (24, 6, 8, 8), generator=torch.Generator().manual_seed(51)) / 10.0
+    mine = slice(0, 16) if rank == 0 else slice(16, 24)
+    x = data[mine].clone().requires_grad_()
+    output = ddp(x)
+    output.backward(grad[mine] * 2 / 24)
+    result = {"start": start, "out": output.detach(), "conv_grad": model[0].weight.grad.clone(),
+              "bn_grad": model[1].weight.grad.clone(), "running_mean": model[1].running_mean,
+              "running_var": model[1].running_var}
+    del ddp
+    return result
+
+
 def syncbn_suite(rank):
-    out = {}
+    out = {"torch_ddp": torch_ddp_case(rank)}
     for name, (sizes, rest, channel_last, dtype, kwargs) in SYNCBN_CASES.items():
         out[name] = syncbn_case(rank, sizes, rest, channel_last, dtype, **kwargs)
     # Groups of one rank: statistics stay local. Groups of both: as the default group.
