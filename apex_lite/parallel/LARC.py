@@ -33,6 +33,13 @@ import torch
 __all__ = ["LARC"]
 
 
+def _forwarded(name: str) -> property:
+    """The wrapped optimizer's attribute ``name`` (the same object), read and set through."""
+    return property(lambda self: getattr(self.optim, name),
+                    lambda self, value: setattr(self.optim, name, value),
+                    doc=f"The wrapped optimizer's ``{name}`` (the same object).")
+
+
 class LARC(torch.optim.Optimizer):
     """Rescale each parameter's gradient by its LARS local learning rate, then step ``optimizer``.
 
@@ -73,32 +80,9 @@ class LARC(torch.optim.Optimizer):
                 setattr(self, name, OrderedDict())
 
     # ---- what is forwarded to the wrapped optimizer -----------------------------------------
-    @property
-    def param_groups(self):
-        """The wrapped optimizer's ``param_groups`` (the same list)."""
-        return self.optim.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value):
-        self.optim.param_groups = value
-
-    @property
-    def state(self):
-        """The wrapped optimizer's ``state`` (the same dict)."""
-        return self.optim.state
-
-    @state.setter
-    def state(self, value):
-        self.optim.state = value
-
-    @property
-    def defaults(self):
-        """The wrapped optimizer's ``defaults``."""
-        return self.optim.defaults
-
-    @defaults.setter
-    def defaults(self, value):
-        self.optim.defaults = value
+    param_groups = _forwarded("param_groups")
+    state = _forwarded("state")
+    defaults = _forwarded("defaults")
 
     def __getstate__(self):
         return dict(self.__dict__)
