@@ -165,3 +165,21 @@ def test_a_copy_hooks_its_own_parameters(one_rank):
     # One rank, sum predivided by 2: the copy reduced its own gradients once, after its forward.
     assert torch.equal(twin.module.bias.grad, torch.tensor([1.0]))
     assert net.bias.grad is None
+
+
+def test_zero_grad_is_the_modules(one_rank):
+    """amp replaces a model's zero_grad with one that also clears O2's master gradients: the
+    wrapper's zero_grad is that one."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", fused_step=False,
+                                      verbosity=0)
+    ddp = parallel.DistributedDataParallel(model)
+    with amp.scale_loss(ddp(torch.ones(4, 3)).float().sum(), optimizer) as scaled_loss:
+        scaled_loss.backward()
+    masters = list(amp.master_params(optimizer))
+    assert all(m.grad is not None for m in masters)
+    ddp.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    assert all(m.grad is None for m in masters)

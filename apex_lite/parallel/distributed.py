@@ -205,6 +205,11 @@ class DistributedDataParallel(Module):
         """Leave gradients local in the following backwards (gradient accumulation)."""
         self._disable_allreduce = True
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The wrapped module's ``zero_grad`` (under amp, the one that also clears O2's master
+        gradients)."""
+        self.module.zero_grad(set_to_none=set_to_none)
+
     # ---- the forward and the hooks ------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
         """``module(*inputs, **kwargs)``; first re-plans the buckets when the parameters that
@@ -250,9 +255,6 @@ class DistributedDataParallel(Module):
         state = dict(self.__dict__)
         state.update(_plan=None, _hooks=[], _reduction=None)
         return state
-
-    def __setstate__(self, state):
-        super().__setstate__(state)
 
 
 def _check_arguments(module, message_size, delay_allreduce, shared_param,

@@ -84,4 +84,3 @@ def extract_tensors(maybe_tensor, tensor_list: List[torch.Tensor]) -> None:
         return
     for item in items:
         extract_tensors(item, tensor_list)
-
