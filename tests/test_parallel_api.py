@@ -80,6 +80,8 @@ def test_apex_import_lines_through_the_alias():
 import json
 import apex_lite
 apex_lite.install_apex_alias()
+import apex
+attribute_first = apex.parallel.SyncBatchNorm.__module__   # a submodule as an attribute
 try:
     from apex import amp
     from apex.parallel import DistributedDataParallel as ApexDDP
@@ -99,13 +101,15 @@ import apex_lite.parallel
 model = apex.parallel.convert_syncbn_model(torch.nn.Sequential(torch.nn.BatchNorm2d(3)))
 print(json.dumps({"has_apex": has_apex, "same": DDP is apex_lite.parallel.DistributedDataParallel
                   and apex.parallel is apex_lite.parallel,
-                  "larc": LARC.__module__, "converted": type(model[0]).__name__}))
+                  "larc": LARC.__module__, "converted": type(model[0]).__name__,
+                  "attribute_first": attribute_first}))
 """
     result = _python(code)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == {"has_apex": True, "same": True,
                                          "larc": "apex_lite.parallel.LARC",
-                                         "converted": "SyncBatchNorm"}
+                                         "converted": "SyncBatchNorm",
+                                         "attribute_first": "apex_lite.parallel.sync_batchnorm"}
 
 
 # ---- DistributedDataParallel in a one-rank group -------------------------------------------------
