@@ -110,6 +110,13 @@ facts = {
     "find_spec_amp": importlib.util.find_spec("apex.amp") is not None,
     "alias": apex_lite.install_apex_alias(),
 }
+from apex.parallel import DistributedDataParallel, convert_syncbn_model
+from apex.parallel.LARC import LARC
+import apex_lite.parallel, apex_lite.parallel.LARC
+facts["parallel"] = (apex.parallel is apex_lite.parallel and DistributedDataParallel is
+                     apex_lite.parallel.DistributedDataParallel and convert_syncbn_model is
+                     apex_lite.parallel.convert_syncbn_model and LARC is
+                     apex_lite.parallel.LARC.LARC)
 try:
     import apex.normalization
 except ImportError as exc:
@@ -118,9 +125,10 @@ print(json.dumps(facts))
 """, compat_target)
     assert facts.pop("apex_file") == str(compat_target / "apex" / "__init__.py")
     assert facts.pop("alias").startswith("apex is apex_lite's forwarding package (")
-    assert "apex_lite's apex provides apex.amp, apex.optimizers and apex.multi_tensor_apply " \
-           "only; use torch.nn.LayerNorm and torch.nn.RMSNorm instead" in facts.pop(
-               "normalization")
+    normalization = facts.pop("normalization")
+    assert "apex_lite's apex provides apex.amp, apex.optimizers, apex.multi_tensor_apply and " \
+           "apex.parallel only; use torch.nn.LayerNorm and torch.nn.RMSNorm instead" in \
+           normalization
     assert all(value is True for value in facts.values()), facts
 
 

@@ -52,7 +52,8 @@ def check_models(models) -> None:
 
 
 def check_model(model: torch.nn.Module, index: int) -> None:
-    for wrapper in (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel):
+    from apex_lite.parallel.distributed import DistributedDataParallel as ApexDDP
+    for wrapper in (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel, ApexDDP):
         if isinstance(model, wrapper):
             raise RuntimeError(
                 f"model {index} is already wrapped in {wrapper.__module__}.{wrapper.__name__}. "

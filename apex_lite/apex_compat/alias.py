@@ -12,11 +12,12 @@ process and prints what each name resolves to.
 What it does: puts a stand-in package ``apex`` in ``sys.modules`` and a finder on
 ``sys.meta_path`` that maps ``apex.<name>[...]`` to the apex_lite module ``TARGETS[name][...]``
 (``apex.amp`` to ``apex_lite.amp``, ``apex.optimizers`` to ``apex_lite.optimizers``,
-``apex.multi_tensor_apply`` to ``apex_lite.apex_compat.multi_tensor``) and, when no other
+``apex.multi_tensor_apply`` to ``apex_lite.apex_compat.multi_tensor``, ``apex.parallel`` to
+``apex_lite.parallel``) and, when no other
 ``amp_C`` is importable, the module ``amp_C`` (apex's compiled ops) to that module too.
 Targets are imported when the alias is, not before. The modules are apex_lite's own objects, so
 ``'state_dict' in amp.__dict__`` (timm's ApexScaler) holds. Other parts of apex
-(``apex.parallel``, ``apex.normalization``, ...) raise ModuleNotFoundError, an ImportError,
+(``apex.normalization``, ``apex.contrib``, ...) raise ModuleNotFoundError, an ImportError,
 naming what torch offers instead, so code that guards them with ``try/except ImportError`` takes
 its non-apex path.
 
@@ -42,13 +43,13 @@ from typing import Dict, List, Optional
 
 # apex's subpackages that apex_lite provides, and where they live in apex_lite.
 TARGETS = {"amp": "apex_lite.amp", "optimizers": "apex_lite.optimizers",
-           "multi_tensor_apply": "apex_lite.apex_compat.multi_tensor"}
+           "multi_tensor_apply": "apex_lite.apex_compat.multi_tensor",
+           "parallel": "apex_lite.parallel"}
 # apex's compiled multi-tensor ops, a top-level module: served by the same apex_lite module.
 AMP_C = "amp_C"
 AMP_C_TARGET = "apex_lite.apex_compat.multi_tensor"
 # What to use instead of the parts of apex that apex_lite does not provide.
 INSTEAD = {
-    "parallel": "torch.nn.parallel.DistributedDataParallel and torch.nn.SyncBatchNorm",
     "normalization": "torch.nn.LayerNorm and torch.nn.RMSNorm",
     "fp16_utils": "apex_lite.amp at O2 (fp32 master weights)",
 }

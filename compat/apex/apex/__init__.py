@@ -1,7 +1,8 @@
 """apex_lite's ``apex``: NVIDIA apex's names served by apex_lite (``compat/apex``).
 
-``apex.amp``, ``apex.optimizers`` and ``apex.multi_tensor_apply`` are apex_lite's own modules
-(``apex_lite.amp``, ``apex_lite.optimizers``, ``apex_lite.apex_compat.multi_tensor``), found
+``apex.amp``, ``apex.optimizers``, ``apex.multi_tensor_apply`` and ``apex.parallel`` are
+apex_lite's own modules (``apex_lite.amp``, ``apex_lite.optimizers``,
+``apex_lite.apex_compat.multi_tensor``, ``apex_lite.parallel``), found
 through ``apex_lite.apex_compat.alias``'s finder, so that each exists once (``import apex.amp.scaler`` gives
 ``apex_lite.amp.scaler``). Other parts of apex raise an ImportError naming torch's replacement.
 """
