@@ -122,7 +122,7 @@ def test_dynamic_scale_rule_and_its_arguments():
         "init_scale": 64.0, "scale_factor": 4.0, "scale_window": 2, "min_loss_scale": 8.0,
         "max_loss_scale": 1024.0})
     seen = []
-    for step, bad in enumerate([0, 0, 0, 0, 0, 0, 1, 1, 1, 0, 0]):
+    for step, bad in enumerate([0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0]):
         if bad:
             _inf_step(model, optimizer, step)
         else:
@@ -130,7 +130,7 @@ def test_dynamic_scale_rule_and_its_arguments():
             optimizer.backward(loss_of(model, step))
         optimizer.step()
         seen.append(optimizer.loss_scale)
-    assert seen == [64, 256, 256, 1024, 1024, 1024, 256, 64, 16, 16, 64]
+    assert seen == [64, 256, 256, 1024, 1024, 1024, 256, 64, 16, 8, 8, 32]
     _, default = wrapped(torch.float16, dynamic_loss_scale=True)
     assert default.loss_scale == 2.0 ** 16 and default.loss_scaler._scale_seq_len == 2000
 
@@ -165,6 +165,21 @@ def test_several_backwards_add_up():
         for calls in (each, delayed):
             for got, expected in zip(grads(calls, **kwargs), want):
                 torch.testing.assert_close(got, expected, rtol=2e-3, atol=1e-6)
+
+
+def test_a_master_whose_parameter_got_no_gradient_gets_none():
+    """A half parameter without a gradient this step (its module unused) leaves its master
+    without one, so the optimizer skips it, as it would the parameter itself (apex kept the
+    master's stale gradient and stepped it again)."""
+    model, optimizer = wrapped(torch.float16, make=lambda p: torch.optim.SGD(p, lr=0.1))
+    optimizer.backward(loss_of(model, 0))
+    optimizer.step()
+    model.zero_grad()   # the model's own zero_grad: gradients to None
+    kept = optimizer.fp32_from_fp16_groups[0][0].clone()
+    optimizer.backward(nn.functional.mse_loss(model.head(torch.randn(4, 5)), torch.zeros(4, 1)))
+    assert all(m.grad is None for m in optimizer.fp32_from_fp16_groups[0])
+    optimizer.step()
+    assert torch.equal(optimizer.fp32_from_fp16_groups[0][0], kept)
 
 
 def test_state_dict_round_trip_resumes_exactly(tmp_path):
