@@ -445,3 +445,20 @@ APEX_CASES = (
 def test_apex_fused_layer_norm_cases(rms, batch_size, contiguous, affine, mixed, dtype, fwd, bwd,
                                      memory_efficient):
     _apex_case(rms, batch_size, contiguous, affine, mixed, dtype, memory_efficient, fwd, bwd)
+
+
+@pytest.mark.parametrize("cls", [FusedLayerNorm, FusedRMSNorm], ids=lambda c: c.__name__)
+def test_compiles_without_graph_breaks(cls):
+    """apex's test_compile_fused_layer_norm/rms_norm on the CPU: the whole forward is one graph
+    (fullgraph), with the results and gradients of the eager module (the "eager" backend keeps
+    this test cheap: it checks the capture, not a compiler)."""
+    eager = cls([32, 16])
+    compiled = torch.compile(eager, fullgraph=True, backend="eager")
+    x = torch.randn(16, 32, 16, requires_grad=True)
+    y = x.detach().clone().requires_grad_()
+    expected, actual = eager(x), compiled(y)
+    torch.testing.assert_close(actual, expected)
+    grad = torch.rand_like(expected)
+    expected.backward(grad)
+    actual.backward(grad)
+    torch.testing.assert_close(y.grad, x.grad)

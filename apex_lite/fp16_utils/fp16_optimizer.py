@@ -326,6 +326,7 @@ class FP16_Optimizer:   # noqa: N801 (apex's name)
 
         result = self.optimizer.step(wrapped_closure)
         self.first_closure_call_this_step = True
+        self._masters_fresh = False   # re-evaluations inside the step made gradients of old masters
         self._master_params_to_model_params()
         return result
 

@@ -255,5 +255,7 @@ class OptimizerLossScaler:
 
 
 # FP16_Optimizer.state_dict() holds an OptimizerLossScaler, as apex's held its scaler object:
-# torch.load's default (weights_only=True) may rebuild it.
-torch.serialization.add_safe_globals([OptimizerLossScaler])
+# torch.load's default (weights_only=True, torch 2.6+) may rebuild it. (torch 2.3 has no
+# allow-list, and loads everything by default.)
+if hasattr(torch.serialization, "add_safe_globals"):
+    torch.serialization.add_safe_globals([OptimizerLossScaler])

@@ -1,5 +1,7 @@
-"""apex's layer-norm and RMS-norm autograd Functions, on torch ops, with apex's ``apply``
-signatures (Megatron-style code calls them directly): the path ``memory_efficient=True`` takes.
+"""apex's layer-norm and RMS-norm autograd Functions, on torch's fused ops, with apex's
+``apply`` signatures (Megatron-style code calls them directly). The norms take them for
+``memory_efficient=True``, for an input whose dtype is not the parameters', and for RMS norms
+on the CPU (fused_layer_norm.py says why).
 
 ``memory_efficient`` (apex's meaning): the backward keeps the norm's output instead of its input.
 A network usually keeps that output anyway (the next layer saves it for its own backward), so the
@@ -18,8 +20,6 @@ import math
 from typing import Optional, Sequence, Tuple
 
 import torch
-
-HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def check_shapes(input: torch.Tensor, normalized_shape: Sequence[int],
@@ -53,8 +53,7 @@ def _clamp_by_magnitude(weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 # torch's fused RMS-norm forward (torch 2.8+; it has no CPU backward): (output, rstd).
-_FUSED_RMS_NORM = getattr(torch.ops.aten, "_fused_rms_norm", None) \
-    if hasattr(torch.ops.aten, "_fused_rms_norm") else None
+_FUSED_RMS_NORM = getattr(torch.ops.aten, "_fused_rms_norm", None)
 
 
 def _rms_forward(x, shape, w, eps):
