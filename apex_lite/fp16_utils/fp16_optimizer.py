@@ -36,7 +36,7 @@ from typing import List
 import torch
 
 from ..amp.scaler import fp32_scale_problem
-from .fp16util import clip_grad_norm
+from .fp16util import clip_grad_norm, master_grad_pairs
 from .loss_scaler import OptimizerLossScaler, scale_by_device
 
 __all__ = ["FP16_Optimizer"]
@@ -350,15 +350,8 @@ class FP16_Optimizer:   # noqa: N801 (apex's name)
         scaler = self.loss_scaler
         scaler.clear_overflow_state()
         current = scaler.loss_scale()
-        model_grads, master_grads = [], []
-        for half, master in zip(self.all_fp16_params, self.all_fp32_from_fp16_params):
-            if half.grad is None:
-                master.grad = None
-                continue
-            if master.grad is None:
-                master.grad = torch.empty_like(master)
-            model_grads.append(half.grad)
-            master_grads.append(master.grad)
+        model_grads, master_grads = master_grad_pairs(self.all_fp16_params,
+                                                      self.all_fp32_from_fp16_params)
         with torch.no_grad():
             scaler.unscale(model_grads, master_grads, self._half_grads_scale or current)
             fp32_grads = self._grads(self.all_fp32_from_fp32_params)

@@ -6,7 +6,7 @@ torch.bfloat16)``); ``tofp16``, ``network_to_half`` and ``FP16Model`` are fp16 b
 """
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import List, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -142,16 +142,24 @@ def model_grads_to_master_grads(model_params, master_params, flat_master=False):
                  for p in model_params]
         master_params[0].grad.data.copy_(_flatten_dense_tensors(grads))
         return
-    destinations, sources = [], []
+    sources, destinations = master_grad_pairs(model_params, master_params)
+    _copy_pairs(destinations, sources)
+
+
+def master_grad_pairs(model_params, master_params) -> Tuple[List[torch.Tensor],
+                                                            List[torch.Tensor]]:
+    """``(model_grads, master_grads)`` for the pairs whose model parameter has a gradient,
+    allocating the master's where missing; a master whose parameter has none gets ``None``."""
+    sources, destinations = [], []
     for model, master in zip(model_params, master_params):
         if model.grad is None:
             master.grad = None
             continue
         if master.grad is None:
             master.grad = torch.empty_like(master)
-        destinations.append(master.grad)
         sources.append(model.grad.detach())
-    _copy_pairs(destinations, sources)
+        destinations.append(master.grad)
+    return sources, destinations
 
 
 def master_params_to_model_params(model_params, master_params, flat_master=False):

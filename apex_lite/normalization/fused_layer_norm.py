@@ -138,7 +138,39 @@ def mixed_dtype_fused_rms_norm_affine(input, weight, normalized_shape, eps=1e-6,
 
 # ---- the modules ------------------------------------------------------------------------------
 
-class FusedLayerNorm(torch.nn.Module):
+class _Norm(torch.nn.Module):
+    """What apex's two norm modules share: the shape, ``eps``, ``memory_efficient`` and the
+    parameters (``weight`` of ones, and ``bias`` of zeros where the norm has one)."""
+
+    def _init_norm(self, normalized_shape, eps, elementwise_affine, memory_efficient,
+                   with_bias: bool) -> None:
+        if isinstance(normalized_shape, numbers.Integral):
+            normalized_shape = (normalized_shape,)
+        self.normalized_shape = torch.Size(normalized_shape)
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        self.memory_efficient = memory_efficient
+        names = ("weight", "bias") if with_bias else ("weight",)
+        for name in names:
+            if self.elementwise_affine:
+                setattr(self, name, Parameter(torch.empty(*normalized_shape)))
+            else:
+                self.register_parameter(name, None)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        """Weight to ones, bias (where there is one) to zeros."""
+        if self.elementwise_affine:
+            init.ones_(self.weight)
+            if getattr(self, "bias", None) is not None:
+                init.zeros_(self.bias)
+
+    def extra_repr(self):
+        return (f"{self.normalized_shape}, eps={self.eps}, "
+                f"elementwise_affine={self.elementwise_affine}")
+
+
+class FusedLayerNorm(_Norm):
     """Layer normalisation over the trailing ``normalized_shape`` dimensions (apex's
     ``FusedLayerNorm``; torch.nn.LayerNorm's maths), on any device.
 
@@ -154,25 +186,8 @@ class FusedLayerNorm(torch.nn.Module):
     def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True,
                  memory_efficient=False):
         super().__init__()
-        if isinstance(normalized_shape, numbers.Integral):
-            normalized_shape = (normalized_shape,)
-        self.normalized_shape = torch.Size(normalized_shape)
-        self.eps = eps
-        self.elementwise_affine = elementwise_affine
-        self.memory_efficient = memory_efficient
-        if self.elementwise_affine:
-            self.weight = Parameter(torch.empty(*normalized_shape))
-            self.bias = Parameter(torch.empty(*normalized_shape))
-        else:
-            self.register_parameter("weight", None)
-            self.register_parameter("bias", None)
-        self.reset_parameters()
-
-    def reset_parameters(self):
-        """Weight to ones, bias to zeros."""
-        if self.elementwise_affine:
-            init.ones_(self.weight)
-            init.zeros_(self.bias)
+        self._init_norm(normalized_shape, eps, elementwise_affine, memory_efficient,
+                        with_bias=True)
 
     def forward(self, input):
         """The normalised input, in its dtype."""
@@ -181,12 +196,8 @@ class FusedLayerNorm(torch.nn.Module):
                                            self.eps, self.memory_efficient)
         return fused_layer_norm(input, self.normalized_shape, self.eps, self.memory_efficient)
 
-    def extra_repr(self):
-        return (f"{self.normalized_shape}, eps={self.eps}, "
-                f"elementwise_affine={self.elementwise_affine}")
 
-
-class FusedRMSNorm(torch.nn.Module):
+class FusedRMSNorm(_Norm):
     """RMS normalisation over the trailing ``normalized_shape`` dimensions:
     ``x / sqrt(mean(x**2) + eps) * weight`` (apex's ``FusedRMSNorm``; torch.nn.RMSNorm's maths).
 
@@ -201,22 +212,8 @@ class FusedRMSNorm(torch.nn.Module):
     def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True,
                  memory_efficient=False):
         super().__init__()
-        if isinstance(normalized_shape, numbers.Integral):
-            normalized_shape = (normalized_shape,)
-        self.normalized_shape = torch.Size(normalized_shape)
-        self.eps = eps
-        self.elementwise_affine = elementwise_affine
-        self.memory_efficient = memory_efficient
-        if self.elementwise_affine:
-            self.weight = Parameter(torch.empty(*normalized_shape))
-        else:
-            self.register_parameter("weight", None)
-        self.reset_parameters()
-
-    def reset_parameters(self):
-        """Weight to ones."""
-        if self.elementwise_affine:
-            init.ones_(self.weight)
+        self._init_norm(normalized_shape, eps, elementwise_affine, memory_efficient,
+                        with_bias=False)
 
     def forward(self, input):
         """The normalised input, in its dtype."""
@@ -224,10 +221,6 @@ class FusedRMSNorm(torch.nn.Module):
             return fused_rms_norm_affine(input, self.weight, self.normalized_shape, self.eps,
                                          self.memory_efficient)
         return fused_rms_norm(input, self.normalized_shape, self.eps, self.memory_efficient)
-
-    def extra_repr(self):
-        return (f"{self.normalized_shape}, eps={self.eps}, "
-                f"elementwise_affine={self.elementwise_affine}")
 
 
 def _mixed_affine(cls_name: str, kwargs: dict) -> None:
