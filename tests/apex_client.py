@@ -121,6 +121,8 @@ def main(argv=None):
         saved_scaler=checkpoint["amp"]["loss_scaler0"],
         resumed_scaler=amp.state_dict()["loss_scaler0"],
         resumed_outputs_equal=same,
+        layer_norm=LayerNorm.__module__ + "." + LayerNorm.__name__,
+        layer_norm_dtype=str(model[1].weight.dtype),
         model_dtype=str(model[0].weight.dtype),
         master_dtype=str(next(iter(amp.master_params(optimizer))).dtype))
     json.dump(result, open(args.out, "w"))

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from apex_lite.apex_compat import alias
+
 TESTS = Path(__file__).resolve().parent
 
 def _have_fused_optimizers() -> bool:
@@ -70,7 +72,10 @@ def test_without_the_alias_the_client_takes_its_no_apex_path(tmp_path):
 def test_the_client_trains_clips_and_checkpoints_through_the_alias(tmp_path, level):
     result = _client(tmp_path, "--opt-level", level)
     assert result["has_apex"] and result["amp_module"] == "apex_lite.amp"
-    assert not result["has_fused_layernorm"]   # apex.normalization: ImportError, torch's path
+    assert result["has_fused_layernorm"]   # apex.normalization: apex_lite's, trained under amp
+    assert result["layer_norm"] == "apex_lite.normalization.fused_layer_norm.FusedLayerNorm"
+    # O2 casts it to half with the rest of the model (apex kept only BatchNorm in fp32).
+    assert result["layer_norm_dtype"] == ("torch.bfloat16" if level == "O2" else "torch.float32")
     losses = result["losses"]
     assert losses[-1] < 0.2 * losses[0]
     assert all(0 < n < float("inf") for n in result["clip_norms"])
@@ -163,6 +168,10 @@ def test_the_command_alone_prints_what_it_did():
     assert "apex.multi_tensor_apply -> apex_lite.apex_compat.multi_tensor (MultiTensorApply, " \
            "multi_tensor_applier" in result.stdout
     assert "amp_C                   -> apex_lite.apex_compat.multi_tensor" in result.stdout
+    assert "apex.normalization      -> apex_lite.normalization" in result.stdout
+    assert "apex.fp16_utils         -> apex_lite.fp16_utils" in result.stdout
+    assert "apex_C                  -> apex_lite.apex_compat.apex_c (flatten, unflatten)" \
+        in result.stdout
     assert "RuntimeWarning" not in result.stderr   # the module is executed once
 
 
@@ -230,10 +239,11 @@ facts = {"first": first, "again": again, "amp_is_apex_lite_amp": amp is apex_lit
 import apex.parallel
 import apex_lite.parallel
 facts["parallel"] = apex.parallel is apex_lite.parallel
-try:
-    import apex.transformer
-except ImportError as exc:
-    facts["transformer"] = f"{type(exc).__name__}: {exc}"
+for name in ("contrib", "transformer"):
+    try:
+        importlib.import_module(f"apex.{name}")
+    except ImportError as exc:
+        facts[name + "_import"] = f"{type(exc).__name__}: {exc}"
 try:
     apex.contrib
 except AttributeError as exc:
@@ -246,10 +256,14 @@ print(json.dumps(facts))
     assert facts.pop("first").startswith("installed the apex alias: apex.amp -> apex_lite.amp")
     assert facts.pop("again") == "the apex alias was already installed in this process"
     assert facts.pop("parallel") is True
-    transformer = facts.pop("transformer")
-    assert transformer.startswith("ModuleNotFoundError: No module named 'apex.transformer': "
-                                  "apex_lite's apex provides apex.amp, apex.optimizers, ")
-    assert "apex.parallel" in transformer and transformer.endswith(" only")
+    provided = ", ".join(f"apex.{name}" for name in list(alias.TARGETS)[:-1]) + \
+        f" and apex.{list(alias.TARGETS)[-1]}"
+    assert facts.pop("contrib_import") == (
+        f"ModuleNotFoundError: No module named 'apex.contrib': apex_lite's apex provides "
+        f"{provided} only")
+    assert facts.pop("transformer_import") == (
+        f"ModuleNotFoundError: No module named 'apex.transformer': apex_lite's apex provides "
+        f"{provided} only; use {alias.INSTEAD['transformer']} instead")
     assert "has no attribute 'contrib'" in facts.pop("contrib")
     assert facts == {"amp_is_apex_lite_amp": True, "attribute": True, "state_dict_in_dict": True,
                      "scaler": "apex_lite.amp.scaler", "spec_kept": True, "find_spec": True}
@@ -280,8 +294,9 @@ print(json.dumps({"first": first, "same": amp_C is ours and multi_tensor_l2norm 
     result = _python(code)
     assert result.returncode == 0, result.stderr
     facts = json.loads(result.stdout)
-    assert "apex.multi_tensor_apply -> apex_lite.apex_compat.multi_tensor, " in facts["first"]
-    assert facts["first"].endswith("amp_C -> apex_lite.apex_compat.multi_tensor")
+    assert facts["first"].endswith(
+        "apex.multi_tensor_apply -> apex_lite.apex_compat.multi_tensor, "
+        "amp_C -> apex_lite.apex_compat.multi_tensor, apex_C -> apex_lite.apex_compat.apex_c")
     assert facts["same"] and facts["available"]
     assert facts["norm"] == [pytest.approx(7 ** 0.5)]
     assert facts["per"] == pytest.approx([3 ** 0.5, 2])
@@ -295,12 +310,80 @@ def test_the_alias_leaves_another_amp_c_alone(tmp_path):
     result = _python("import apex_lite\nprint(apex_lite.install_apex_alias())\n"
                      "import apex.multi_tensor_apply", path_first=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip().endswith("amp_C left alone (another amp_C is importable)")
+    assert result.stdout.strip().endswith("amp_C left alone (another amp_C is importable), "
+                                          "apex_C -> apex_lite.apex_compat.apex_c")
     command = _python(["-m", "apex_lite.apex_alias"], path_first=tmp_path)
     assert command.returncode == 0, command.stderr
     assert f"amp_C                   -> left alone ({tmp_path / 'amp_C.py'} is not " \
            f"apex_lite's)" in command.stdout
     assert not (tmp_path / "IMPORTED").exists()
+
+
+# The names apex's own ``from apex.fp16_utils import *`` gives: what its __init__ imports, and
+# its three submodules (apex/fp16_utils/__init__.py at e13873de has no __all__).
+APEX_FP16_UTILS_STAR = sorted([
+    "BN_convert_float", "network_to_half", "prep_param_lists", "model_grads_to_master_grads",
+    "master_params_to_model_params", "tofp16", "to_python_float", "clip_grad_norm",
+    "convert_module", "convert_network", "FP16Model", "FP16_Optimizer", "LossScaler",
+    "DynamicLossScaler", "fp16util", "fp16_optimizer", "loss_scaler"])
+
+
+def check_apex_modules_client(stdout: str) -> None:
+    """What tests/apex_modules_client.py found is apex_lite's, and works (shared with
+    test_apex_compat.py)."""
+    facts = json.loads(stdout.strip().splitlines()[-1])
+    assert facts["submodules"] == alias.TARGETS   # apex.<sub> as an attribute of apex
+    assert facts["fp16_utils_star"] == APEX_FP16_UTILS_STAR
+    assert facts["fp16_model"] == ["torch.float16"] * 2 + ["torch.float32"] * 2   # BN kept fp32
+    assert facts["norm_classes"] == [f"apex_lite.normalization.fused_layer_norm.{name}" for name
+                                     in ("FusedLayerNorm", "FusedRMSNorm", "MixedFusedLayerNorm",
+                                         "MixedFusedRMSNorm")]
+    assert facts["layer_norm_equal"] == [True, True, True]
+    assert facts["apex_C"] == [[7], True]
+
+
+@no_apex_here
+@pytest.mark.parametrize("how", ["call", "command"])
+def test_apex_modules_that_scripts_import_through_the_alias(how):
+    """apex.normalization, apex.fp16_utils and apex_C, and every apex_lite subpackage as an
+    attribute of ``apex`` (adding one to alias.SUBPACKAGES is covered here at once)."""
+    args = ["apex_modules_client.py", *alias.TARGETS]
+    if how == "command":
+        result = _python(["-m", "apex_lite.apex_alias", *args])
+    else:
+        result = _python(f"import apex_lite, runpy, sys\napex_lite.install_apex_alias()\n"
+                         f"sys.argv = {args!r}\nrunpy.run_path('apex_modules_client.py', "
+                         f"run_name='__main__')")
+    assert result.returncode == 0, result.stderr
+    check_apex_modules_client(result.stdout)
+
+
+@no_apex_here
+def test_import_apex_gives_every_subpackage_lazily():
+    """``import apex`` loads nothing more; ``dir(apex)`` and ``from apex import *`` list and
+    load the subpackages, as NVIDIA's package (which imported them all) did."""
+    code = """
+import json, sys
+import apex_lite
+apex_lite.install_apex_alias()
+import apex
+before = sorted(m for m in sys.modules if m.startswith(("apex_lite.normalization",
+                                                         "apex_lite.fp16_utils")))
+listed = [name for name in dir(apex) if not name.startswith("_")]
+namespace = {}
+exec("from apex import *", namespace)
+print(json.dumps({"before": before, "dir": listed,
+                  "star": sorted(k for k in namespace if not k.startswith("__")),
+                  "star_modules": sorted(m.__name__ for k, m in namespace.items()
+                                         if not k.startswith("__"))}))
+"""
+    result = _python(code)
+    assert result.returncode == 0, result.stderr
+    facts = json.loads(result.stdout)
+    assert facts["before"] == []
+    assert facts["dir"] == sorted(alias.TARGETS)
+    assert facts["star"] == sorted(alias.TARGETS)
+    assert facts["star_modules"] == sorted(alias.TARGETS.values())
 
 
 # ---- refusals -------------------------------------------------------------------------------

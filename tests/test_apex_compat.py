@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from apex_lite.apex_compat import alias
+
 TESTS = Path(__file__).resolve().parent
 COMPAT = TESTS.parent / "compat" / "apex"
 
@@ -69,7 +71,8 @@ version = importlib.metadata.version("apex")
 dist = importlib.metadata.distribution("apex")
 print(json.dumps({
     "version": version,
-    "find_spec": [importlib.util.find_spec(name) is not None for name in ("apex", "amp_C")],
+    "find_spec": [importlib.util.find_spec(name) is not None for name in ("apex", "amp_C",
+                                                                          "apex_C")],
     # Lightning's RequirementCache("apex"), and a version comparison as libraries write one
     "requirement": Requirement("apex").specifier.contains(version, prereleases=True),
     "at_least_0_1": Requirement("apex>=0.1").specifier.contains(version, prereleases=True),
@@ -79,11 +82,11 @@ print(json.dumps({
 }))
 """, compat_target)
     assert facts["version"] == "0.1+apexlite"
-    assert facts["find_spec"] == [True, True]
+    assert facts["find_spec"] == [True, True, True]
     assert facts["requirement"] and facts["at_least_0_1"]
     assert facts["requires"] == ["apex_lite"]
     assert [f for f in facts["files"] if not f.startswith("apex-0.1+apexlite.dist-info")] == [
-        "amp_C.py", "apex/__init__.py", "apex/_apex_lite_forwarder.py"]
+        "amp_C.py", "apex/__init__.py", "apex/_apex_lite_forwarder.py", "apex_C.py"]
 
 
 def test_every_name_forwards_to_apex_lite(compat_target):
@@ -118,18 +121,25 @@ facts["parallel"] = (apex.parallel is apex_lite.parallel and DistributedDataPara
                      apex_lite.parallel.convert_syncbn_model and LARC is
                      apex_lite.parallel.LARC.LARC)
 try:
-    import apex.normalization
+    import apex.contrib
 except ImportError as exc:
-    facts["normalization"] = str(exc)
+    facts["contrib"] = str(exc)
 print(json.dumps(facts))
 """, compat_target)
     assert facts.pop("apex_file") == str(compat_target / "apex" / "__init__.py")
     assert facts.pop("alias").startswith("apex is apex_lite's forwarding package (")
-    normalization = facts.pop("normalization")
-    assert "apex_lite's apex provides apex.amp, apex.optimizers, apex.multi_tensor_apply and " \
-           "apex.parallel only; use torch.nn.LayerNorm and torch.nn.RMSNorm instead" in \
-           normalization
+    assert "No module named 'apex.contrib': apex_lite's apex provides apex.amp, " \
+           "apex.optimizers, " in facts.pop("contrib")
     assert all(value is True for value in facts.values()), facts
+
+
+def test_apex_modules_that_scripts_import(compat_target):
+    """apex.normalization, apex.fp16_utils, apex_C (a module of the distribution) and every
+    subpackage as an attribute of ``apex``, as through the alias."""
+    from test_apex_alias import check_apex_modules_client
+    result = _python(["apex_modules_client.py", *alias.TARGETS], site=compat_target)
+    assert result.returncode == 0, result.stderr
+    check_apex_modules_client(result.stdout)
 
 
 def test_the_runtime_alias_alone_does_not_satisfy_metadata_checks(tmp_path):

@@ -46,6 +46,7 @@ SCRIPTS = {
     "o2_step": ["bench/o2_step.py", "--smoke", "--threads", "1"],
     "o2_route_floor": ["bench/o2_route_floor.py", "--smoke", "--threads", "1"],
     "fsdp_bench": ["bench/fsdp.py", "--smoke", "--variants", "torch mp,apex_lite O2"],
+    "normalization": ["bench/normalization.py", "--smoke", "--threads", "1"],
 }
 # A stand-in for matplotlib that fails to import, put first on these scripts' path.
 WITHOUT_MATPLOTLIB = {"amp_recipe_no_matplotlib", "train_no_matplotlib"}
@@ -305,6 +306,24 @@ def test_o2_step_smoke(runs):
     assert re.search(r"^O2 AdamW\s.* " + re.escape(_default_o2_step()), stdout, re.MULTILINE)
     assert re.search(r"^O2 SGD unfused\s.*unfused step \(fused_step=False\)$", stdout,
                      re.MULTILINE)
+
+
+def test_normalization_bench_smoke(runs):
+    """Every norm row against torch's module, timed in the same run."""
+    stdout, _ = _ok(runs, "normalization")
+    assert re.search(r"^cpu: .*flags ", stdout, re.MULTILINE)
+    rows = {"float32": ("FusedLayerNorm", "FusedRMSNorm", "memory_efficient"),
+            "bfloat16": ("FusedLayerNorm", "FusedRMSNorm", "memory_efficient"),
+            "bf16 in, fp32 params": ("FusedLayerNorm", "MixedFusedLayerNorm", "FusedRMSNorm",
+                                     "MixedFusedRMSNorm")}
+    for kind, columns in rows.items():
+        for norm in ("LayerNorm", "RMSNorm"):
+            title = f"{norm} 64x96 {kind}"
+            assert _row(stdout, f"{title:<44} {'torch':>20}", 2)[1] == 1.0
+            for column in columns:
+                if column.endswith(norm) or column == "memory_efficient":
+                    ms, ratio = _row(stdout, f"{title:<44} {column:>20}", 2)
+                    assert ms > 0 and ratio > 0
 
 
 def test_o2_route_floor_smoke(runs):

@@ -11,15 +11,16 @@ process and prints what each name resolves to.
 
 What it does: puts a stand-in package ``apex`` in ``sys.modules`` and a finder on
 ``sys.meta_path`` that maps ``apex.<name>[...]`` to the apex_lite module ``TARGETS[name][...]``
-(``apex.amp`` to ``apex_lite.amp``, ``apex.optimizers`` to ``apex_lite.optimizers``,
-``apex.multi_tensor_apply`` to ``apex_lite.apex_compat.multi_tensor``, ``apex.parallel`` to
-``apex_lite.parallel``) and, when no other
-``amp_C`` is importable, the module ``amp_C`` (apex's compiled ops) to that module too.
-Targets are imported when the alias is, not before. The modules are apex_lite's own objects, so
-``'state_dict' in amp.__dict__`` (timm's ApexScaler) holds. Other parts of apex
-(``apex.normalization``, ``apex.contrib``, ...) raise ModuleNotFoundError, an ImportError,
-naming what torch offers instead, so code that guards them with ``try/except ImportError`` takes
-its non-apex path.
+(``apex.<sub>`` to ``apex_lite.<sub>`` for each name in ``SUBPACKAGES``, and
+``apex.multi_tensor_apply`` to ``apex_lite.apex_compat.multi_tensor``) and, when no other module
+of that name is importable, apex's compiled top-level modules (``TOP_LEVEL``: ``amp_C``, the
+multi-tensor ops, and ``apex_C``, flatten/unflatten) to apex_lite's modules too. Targets are
+imported when the alias is, not before; ``apex.<sub>`` is also an attribute of ``apex``, loaded
+on first use (``import apex; apex.normalization.FusedLayerNorm``). The modules are apex_lite's
+own objects, so ``'state_dict' in amp.__dict__`` (timm's ApexScaler) holds. Other parts of apex
+(``apex.contrib``, ``apex.transformer``, ...) raise ModuleNotFoundError, an ImportError, naming
+what to use instead where there is something, so code that guards them with ``try/except
+ImportError`` takes its non-apex path.
 
 When it refuses (``ApexAliasError``), nothing is changed: a package named ``apex`` is
 importable, or already imported, and is not apex_lite's. Such a package is NVIDIA's when its
@@ -41,23 +42,24 @@ import sys
 import types
 from typing import Dict, List, Optional
 
-# apex's subpackages that apex_lite provides, and where they live in apex_lite.
-TARGETS = {"amp": "apex_lite.amp", "optimizers": "apex_lite.optimizers",
-           "multi_tensor_apply": "apex_lite.apex_compat.multi_tensor",
-           "parallel": "apex_lite.parallel"}
-# apex's compiled multi-tensor ops, a top-level module: served by the same apex_lite module.
-AMP_C = "amp_C"
-AMP_C_TARGET = "apex_lite.apex_compat.multi_tensor"
+# apex's subpackages that apex_lite provides under the same name: apex.<name> is apex_lite.<name>.
+SUBPACKAGES = ("amp", "optimizers", "parallel", "normalization", "fp16_utils")
+# Every apex subpackage apex_lite provides, and where it lives in apex_lite.
+TARGETS = {**{name: f"apex_lite.{name}" for name in SUBPACKAGES},
+           "multi_tensor_apply": "apex_lite.apex_compat.multi_tensor"}
+# apex's compiled top-level modules: the multi-tensor ops (amp_C) and flatten/unflatten (apex_C).
+TOP_LEVEL = {"amp_C": "apex_lite.apex_compat.multi_tensor",
+             "apex_C": "apex_lite.apex_compat.apex_c"}
 # What to use instead of the parts of apex that apex_lite does not provide.
 INSTEAD = {
-    "normalization": "torch.nn.LayerNorm and torch.nn.RMSNorm",
-    "fp16_utils": "apex_lite.amp at O2 (fp32 master weights)",
+    "transformer": "torch.distributed.tensor.parallel or Megatron-Core",
 }
 NVIDIA_MARKERS = ("amp/_amp_state.py", "optimizers/fused_adam.py",
                   "normalization/fused_layer_norm.py")
 FORWARDER_MARKER = "_apex_lite_forwarder.py"
-# Set when install_apex_alias found another amp_C and left it alone (never imported).
-_foreign_amp_c: Optional[str] = None
+# The top-level modules install_apex_alias found elsewhere and left alone (never imported):
+# name -> where.
+_foreign_top_level: Dict[str, str] = {}
 _ALIAS_ATTRIBUTE = "__apex_lite_alias__"
 
 
@@ -112,17 +114,17 @@ def _provided() -> str:
 
 
 class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds ``apex.<sub>[...]`` for the subpackages in TARGETS as the apex_lite modules, and
-    ``amp_C`` when ``serve_amp_c``."""
+    """Finds ``apex.<sub>[...]`` for the subpackages in TARGETS as the apex_lite modules, and the
+    top-level modules named in ``top_level`` (a subset of TOP_LEVEL)."""
 
-    def __init__(self, serve_amp_c: bool):
-        self.serve_amp_c = serve_amp_c
+    def __init__(self, top_level):
+        self.top_level = frozenset(top_level)
         self._originals = {}   # alias name -> the target module's own __spec__
 
     def find_spec(self, fullname, path=None, target=None):
         parts = fullname.split(".")
-        if fullname == AMP_C and self.serve_amp_c:
-            target_name = AMP_C_TARGET
+        if fullname in self.top_level:
+            target_name = TOP_LEVEL[fullname]
         elif parts[0] != "apex" or len(parts) < 2:
             return None
         elif parts[1] not in TARGETS:
@@ -154,24 +156,30 @@ class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def _apex_getattr(name):
-    """``apex.<name>`` for a subpackage not imported yet (``import apex; apex.amp.initialize``)."""
+    """``apex.<name>`` for a subpackage not imported yet (``import apex; apex.amp.initialize``,
+    as NVIDIA's ``apex/__init__.py``, which imported its subpackages, allowed)."""
     if name in TARGETS:
         return importlib.import_module(f"apex.{name}")
     raise AttributeError(f"module 'apex' (apex_lite's) has no attribute {name!r}; it provides "
                          f"{_provided()}")
 
 
-def _install_finder(serve_amp_c: bool) -> None:
+def _apex_dir():
+    return sorted(set(TARGETS) | {"__all__", "__path__", "__spec__"})
+
+
+def _install_finder(top_level) -> None:
     if not any(isinstance(finder, _AliasFinder) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _AliasFinder(serve_amp_c))
+        sys.meta_path.insert(0, _AliasFinder(top_level))
 
 
 def forward_subpackages():
     """For apex_lite's installable ``apex`` package (``compat/apex``): serve its subpackages
     through the alias's finder (one object per module, ``import apex.amp.scaler`` included) and
-    return the package's ``__getattr__``. Its ``amp_C`` is a module of its own there."""
-    _install_finder(serve_amp_c=False)
-    return _apex_getattr
+    return the package's ``(__getattr__, __dir__, __all__)``. Its top-level modules (``amp_C``,
+    ``apex_C``) are modules of their own there."""
+    _install_finder(top_level=())
+    return _apex_getattr, _apex_dir, list(TARGETS)
 
 
 def _stand_in() -> types.ModuleType:
@@ -182,11 +190,14 @@ def _stand_in() -> types.ModuleType:
     apex.__spec__ = importlib.machinery.ModuleSpec("apex", None, is_package=True)
     setattr(apex, _ALIAS_ATTRIBUTE, True)
     apex.__getattr__ = _apex_getattr
+    apex.__dir__ = _apex_dir
+    apex.__all__ = list(TARGETS)   # ``from apex import *`` imports every subpackage, as apex's
     return apex
 
 
 def install_apex_alias() -> str:
-    """Make ``import apex``, ``apex.amp`` and ``apex.optimizers`` resolve to apex_lite.
+    """Make ``import apex``, ``apex.<sub>`` for the subpackages in TARGETS, and apex's top-level
+    modules (``amp_C``, ``apex_C``) resolve to apex_lite.
 
     Returns what it did, in a line. Idempotent. Raises ``ApexAliasError``, changing nothing,
     when a package named ``apex`` that is not apex_lite's is importable or imported.
@@ -199,31 +210,35 @@ def install_apex_alias() -> str:
             return (f"apex is apex_lite's forwarding package ({existing['where']}); "
                     f"nothing to install")
         raise ApexAliasError(_refusal(existing))
-    # An amp_C that is not apex_lite's (NVIDIA's compiled ops, left without their package) is
-    # left alone: only looked up, never imported.
-    global _foreign_amp_c
-    module = sys.modules.get(AMP_C)
-    spec = getattr(module, "__spec__", None) if module is not None else \
-        importlib.util.find_spec(AMP_C)
-    serve_amp_c = module is None and spec is None
-    _foreign_amp_c = None if serve_amp_c else (getattr(spec, "origin", None) or "an amp_C")
-    _install_finder(serve_amp_c)
+    # A top-level module that is not apex_lite's (NVIDIA's compiled amp_C or apex_C, left
+    # without their package) is left alone: only looked up, never imported.
+    foreign = {}
+    for name in TOP_LEVEL:
+        module = sys.modules.get(name)
+        spec = getattr(module, "__spec__", None) if module is not None else \
+            importlib.util.find_spec(name)
+        if module is not None or spec is not None:
+            foreign[name] = getattr(spec, "origin", None) or f"an {name}"
+    _foreign_top_level.clear()
+    _foreign_top_level.update(foreign)
+    _install_finder([name for name in TOP_LEVEL if name not in foreign])
     sys.modules["apex"] = _stand_in()
-    done = ", ".join(f"apex.{name} -> {target}" for name, target in TARGETS.items())
-    return (f"installed the apex alias: {done}, " +
-            (f"{AMP_C} -> {AMP_C_TARGET}" if serve_amp_c
-             else f"{AMP_C} left alone (another {AMP_C} is importable)"))
+    done = [f"apex.{name} -> {target}" for name, target in TARGETS.items()]
+    done += [f"{name} left alone (another {name} is importable)" if name in foreign
+             else f"{name} -> {target}" for name, target in TOP_LEVEL.items()]
+    return f"installed the apex alias: {', '.join(done)}"
 
 
 def describe_targets() -> List[str]:
     """One line per alias: what it resolves to now, or why it does not."""
     lines = []
     names = {f"apex.{name}": target for name, target in TARGETS.items()}
-    names[AMP_C] = AMP_C_TARGET
+    names.update(TOP_LEVEL)
     width = max(map(len, names))
     for name, target in names.items():
-        if name == AMP_C and _foreign_amp_c is not None:
-            lines.append(f"  {name:<{width}} -> left alone ({_foreign_amp_c} is not apex_lite's)")
+        if name in _foreign_top_level:
+            lines.append(f"  {name:<{width}} -> left alone ({_foreign_top_level[name]} is not "
+                         f"apex_lite's)")
             continue
         try:
             module = importlib.import_module(name)
@@ -233,9 +248,12 @@ def describe_targets() -> List[str]:
         if module.__name__ != target:
             lines.append(f"  {name:<{width}} -> {module.__name__} (not apex_lite's)")
             continue
-        exported = [n for n in getattr(module, "__all__", [])][:6]
+        exported = list(getattr(module, "__all__", None) or
+                        [n for n, v in vars(module).items()
+                         if not n.startswith("_") and not isinstance(v, types.ModuleType)])
+        shown = ", ".join(exported[:6]) + (", ..." if len(exported) > 6 else "")
         lines.append(f"  {name:<{width}} -> {module.__name__}"
-                     + (f" ({', '.join(exported)}, ...)" if exported else ""))
+                     + (f" ({shown})" if exported else ""))
     return lines
 
 

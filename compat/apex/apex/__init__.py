@@ -1,10 +1,11 @@
 """apex_lite's ``apex``: NVIDIA apex's names served by apex_lite (``compat/apex``).
 
-``apex.amp``, ``apex.optimizers``, ``apex.multi_tensor_apply`` and ``apex.parallel`` are
-apex_lite's own modules (``apex_lite.amp``, ``apex_lite.optimizers``,
-``apex_lite.apex_compat.multi_tensor``, ``apex_lite.parallel``), found
-through ``apex_lite.apex_compat.alias``'s finder, so that each exists once (``import apex.amp.scaler`` gives
-``apex_lite.amp.scaler``). Other parts of apex raise an ImportError naming torch's replacement.
+``apex.<sub>`` for each subpackage in ``apex_lite.apex_compat.alias.TARGETS`` (``apex.amp``,
+``apex.optimizers``, ``apex.parallel``, ``apex.normalization``, ``apex.fp16_utils``, ``apex.multi_tensor_apply``) is
+apex_lite's own module (``apex_lite.amp``, ..., ``apex_lite.apex_compat.multi_tensor``), found
+through that module's finder, so that each exists once (``import apex.amp.scaler`` gives
+``apex_lite.amp.scaler``), and an attribute of ``apex`` loaded on first use. Other parts of apex
+raise an ImportError.
 """
 try:
     from apex_lite.apex_compat import alias as _apex_alias
@@ -16,4 +17,4 @@ except ModuleNotFoundError as exc:
                       "installed: pip install apex_lite's source tree first, or uninstall this "
                       "apex (pip uninstall apex)") from exc
 
-__getattr__ = _apex_alias.forward_subpackages()
+__getattr__, __dir__, __all__ = _apex_alias.forward_subpackages()
