@@ -572,8 +572,8 @@ MUTATIONS: List[Mutation] = [
       ["test_normalization.py::test_functional_forms_and_apex_functions"]),
     # issue 42: every apex subpackage apex_lite provides reaches apex's importers.
     M("alias-drops-fp16_utils",
-      'SUBPACKAGES = ("amp", "optimizers", "normalization", "fp16_utils")',
-      'SUBPACKAGES = ("amp", "optimizers", "normalization")',
+      'SUBPACKAGES = ("amp", "optimizers", "parallel", "normalization", "fp16_utils")',
+      'SUBPACKAGES = ("amp", "optimizers", "parallel", "normalization")',
       ["test_apex_alias.py::test_apex_modules_that_scripts_import_through_the_alias"]),
 ]
 
