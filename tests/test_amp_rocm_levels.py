@@ -287,3 +287,34 @@ def test_register_bfloat16_function_in_an_autocast_forward(level):
     assert seen == {"registered": BF16, "plain": FP16 if level == "O1" else BF16}
     with pytest.raises(ValueError, match="No function named 'nope'"):
         amp.register_bfloat16_function(module, "nope")
+
+
+# ---- apex's legacy amp.init (ROCm's L0 cast tests use it) -----------------------------------------
+
+@pytest.mark.parametrize("patch_type", [torch.bfloat16, torch.float16])
+def test_legacy_init_casts_torch_functions_until_deactivated(patch_type):
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    handle = amp.init(enabled=True, patch_type=patch_type)
+    try:
+        assert handle.is_active()
+        assert torch.nn.functional.linear(x, w).dtype == patch_type
+        assert torch.nn.functional.softmax(x, dim=1).dtype == torch.float32
+        assert (x.to(patch_type) + x).dtype == torch.float32       # promotion to the widest
+
+        @amp.float_function
+        def fp32_only(t):
+            return t
+        assert fp32_only(x.to(patch_type)).dtype == torch.float32
+    finally:
+        handle._deactivate()
+    assert not handle.is_active()
+    assert torch.nn.functional.linear(x, w).dtype == torch.float32
+
+
+def test_legacy_init_disabled_or_with_another_type():
+    handle = amp.init(enabled=False)
+    assert not handle.is_active()
+    assert torch.nn.functional.linear(torch.randn(2, 2), torch.randn(2, 2)).dtype == torch.float32
+    handle._deactivate()
+    with pytest.raises(ValueError, match="supported types are torch.float16 and torch.bfloat16"):
+        amp.init(patch_type=torch.float64)

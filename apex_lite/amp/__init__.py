@@ -11,6 +11,7 @@ your own ``AmpHandle()`` to keep two independent configurations.
 """
 from __future__ import annotations
 
+from .legacy_init import init
 from .casting import (bfloat16_function, disable_casts, float_function, half_function,
                       promote_function, register_bfloat16_function, register_float_function,
                       register_half_function, register_promote_function)
@@ -27,7 +28,7 @@ __all__ = [
     "clip_grad_norm_",
     "half_function", "bfloat16_function", "float_function", "promote_function",
     "register_half_function", "register_bfloat16_function", "register_float_function",
-    "register_promote_function", "disable_casts", "AmpHandle",
+    "register_promote_function", "disable_casts", "init", "AmpHandle",
     "OPT_LEVELS", "OptLevel", "Properties", "LossScaler", "default_handle", "locate_nonfinite",
     "report", "AmpReport", "NonfiniteLocator", "OverflowStuckError", "save_checkpoint",
     "load_checkpoint", "CheckpointError",
