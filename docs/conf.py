@@ -36,7 +36,7 @@ myst_enable_extensions = ["colon_fence", "deflist"]
 # The API reference: members in source order, signatures as written.
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
-autodoc_preserve_defaults = True
+autodoc_preserve_defaults = False   # the values (2000, not DEFAULT_SCALE_WINDOW)
 autodoc_default_options = {"show-inheritance": True}
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False

@@ -1,9 +1,11 @@
 """The Python blocks of the documentation's pages (docs/index.md, docs/guides/*.md), and a
 runner for them.
 
-A page's Python blocks (fenced ```python) run in order in one namespace, after the page's hidden
-setup: the code of its ``<!-- test-setup ... -->`` comments, which readers do not see (it builds
-the small model or data a block names). A block that cannot run here (it needs torchrun, a GPU,
+A page's Python blocks (fenced ```python) run in order in one namespace, with the page's hidden
+code where it stands: ``<!-- test-setup ... -->`` comments, which readers do not see, build the
+small model or data a block names, and ``<!-- test-check ... -->`` comments assert what a block
+shows (the dtypes it prints, a step it skips), so that a page whose claims no longer hold fails
+the test. A block that cannot run here (it needs torchrun, a GPU,
 or a model the page only names) is preceded by ``<!-- not-run: why -->`` and is skipped; a
 ``not-run`` without a reason is an error. tests/test_docs.py runs every page in one fresh process
 (``python doc_blocks.py PAGE...``), so that the pages' ``amp.initialize`` and apex alias touch
@@ -36,8 +38,8 @@ class Block:
 @dataclasses.dataclass
 class Page:
     path: str
-    setup: List[str]
-    blocks: List[Block]
+    steps: List[Block]      # what runs, in order: hidden setup and checks, and the blocks
+    blocks: List[Block]     # the Python blocks a reader sees
 
 
 def pages() -> List[str]:
@@ -47,17 +49,17 @@ def pages() -> List[str]:
 
 
 def parse(path: str) -> Page:
-    """The setup code and the Python blocks of the Markdown page at ``path``."""
+    """The hidden code and the Python blocks of the Markdown page at ``path``."""
     lines = open(path, encoding="utf-8").read().splitlines()
-    setup: List[str] = []
+    steps: List[Block] = []
     blocks: List[Block] = []
     pending_reason: Optional[str] = None
     i = 0
     while i < len(lines):
         line = lines[i]
-        if line.strip().startswith("<!-- test-setup"):
+        if line.strip() in ("<!-- test-setup", "<!-- test-check"):
             end = next(j for j in range(i, len(lines)) if lines[j].strip().endswith("-->"))
-            setup.append("\n".join(lines[i + 1:end]))
+            steps.append(Block(path, i + 1, "\n".join(lines[i + 1:end])))
             i = end + 1
             continue
         not_run = _NOT_RUN.match(line.strip())
@@ -74,30 +76,27 @@ def parse(path: str) -> Page:
             end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith(ticks))
             if info in PYTHON_FENCES:
                 blocks.append(Block(path, i + 1, "\n".join(lines[i + 1:end]), pending_reason))
+                steps.append(blocks[-1])
             elif pending_reason is not None:
                 raise ValueError(f"{path}:{i + 1}: a not-run mark before a {info!r} block; only "
                                  f"Python blocks are run")
             pending_reason = None
             i = end + 1
             continue
-        if line.strip():
-            pending_reason = None if pending_reason is None else pending_reason
         i += 1
     if pending_reason is not None:
         raise ValueError(f"{path}: a not-run mark that no Python block follows")
-    return Page(path, setup, blocks)
+    return Page(path, steps, blocks)
 
 
 def run_page(page: Page) -> None:
-    """Run ``page``'s setup and its runnable blocks in order in one namespace; an error names
-    the page and the block's line."""
+    """Run ``page``'s hidden code and runnable blocks in order in one namespace; an error names
+    the page and the line of the block (or hidden comment) that raised."""
     namespace = {"__name__": "__doc_page__"}
     name = os.path.relpath(page.path, ROOT)
-    for k, code in enumerate(page.setup):
-        exec(compile(code, f"{name} (test-setup {k})", "exec"), namespace)
-    for block in page.blocks:
-        if block.not_run is None:
-            exec(compile(block.code, f"{name}:{block.line}", "exec"), namespace)
+    for step in page.steps:
+        if step.not_run is None:
+            exec(compile(step.code, f"{name}:{step.line}", "exec"), namespace)
 
 
 def main(paths: List[str]) -> int:

@@ -141,6 +141,9 @@ def test_a_failing_block_fails_the_page_and_a_bare_not_run_is_refused(tmp_path):
     page.write_text("<!-- test-setup\nx = 1\n-->\n\n```python\nassert x == 2, 'wrong'\n```\n")
     with pytest.raises(AssertionError, match="wrong"):
         doc_blocks.run_page(doc_blocks.parse(str(page)))
+    page.write_text("```python\nx = 1\n```\n<!-- test-check\nassert x == 2, 'shown'\n-->\n")
+    with pytest.raises(AssertionError, match="shown"):
+        doc_blocks.run_page(doc_blocks.parse(str(page)))
     page.write_text("<!-- not-run: needs torchrun -->\n```python\nraise SystemExit(1)\n```\n")
     doc_blocks.run_page(doc_blocks.parse(str(page)))
     page.write_text("<!-- not-run: -->\n```python\npass\n```\n")
