@@ -115,20 +115,9 @@ def fused_layer_norm_affine(input, weight, bias, normalized_shape, eps=1e-6,
 
 @half_function
 def fused_layer_norm(input, normalized_shape, eps=1e-6, memory_efficient=False):
-    """Layer norm over the trailing ``normalized_shape`` dimensions, no parameters.
-
-    Args:
-        input: the tensor to normalise; its trailing dimensions are ``normalized_shape``.
-        normalized_shape: an int or a shape: the trailing dimensions normalised over.
-        eps: added to the variance (the mean square for RMS norms).
-        memory_efficient: keep the output, not the input, for the backward.
-
-    Returns:
-        The normalised tensor, in the input's dtype.
-
-    Raises:
-        RuntimeError: the shapes do not fit.
-    """
+    """Layer norm over the trailing ``normalized_shape`` dimensions of ``input``, no parameters.
+    ``eps``, ``memory_efficient``, the result (in the input's dtype) and the errors are those of
+    :func:`apex_lite.normalization.fused_layer_norm.fused_layer_norm_affine`."""
     return _norm(input, normalized_shape, None, None, eps, rms=False, mixed=False,
                  memory_efficient=memory_efficient)
 
@@ -136,64 +125,28 @@ def fused_layer_norm(input, normalized_shape, eps=1e-6, memory_efficient=False):
 @half_function
 def mixed_dtype_fused_layer_norm_affine(input, weight, bias, normalized_shape, eps=1e-6,
                                         memory_efficient=False):
-    """``fused_layer_norm_affine`` with the output in the parameters' dtype.
-
-    Args:
-        input: the tensor to normalise; its trailing dimensions are ``normalized_shape``.
-        weight: the scale, of shape ``normalized_shape``.
-        bias: the shift, of shape ``normalized_shape``.
-        normalized_shape: an int or a shape: the trailing dimensions normalised over.
-        eps: added to the variance (the mean square for RMS norms).
-        memory_efficient: keep the output, not the input, for the backward.
-
-    Returns:
-        The normalised tensor, in the parameters' dtype.
-
-    Raises:
-        RuntimeError: the shapes do not fit.
-    """
+    """``fused_layer_norm_affine`` with the output in the parameters' dtype: ``input``,
+    ``weight``, ``bias``, ``normalized_shape``, ``eps``, ``memory_efficient`` and the errors as
+    :func:`apex_lite.normalization.fused_layer_norm.fused_layer_norm_affine`."""
     return _norm(input, normalized_shape, weight, bias, eps, rms=False, mixed=True,
                  memory_efficient=memory_efficient)
 
 
 @half_function
 def fused_rms_norm_affine(input, weight, normalized_shape, eps=1e-6, memory_efficient=False):
-    """RMS norm over the trailing ``normalized_shape`` dimensions with ``weight``; output in the
-    input's dtype.
-
-    Args:
-        input: the tensor to normalise; its trailing dimensions are ``normalized_shape``.
-        weight: the scale, of shape ``normalized_shape``.
-        normalized_shape: an int or a shape: the trailing dimensions normalised over.
-        eps: added to the variance (the mean square for RMS norms).
-        memory_efficient: keep the output, not the input, for the backward.
-
-    Returns:
-        The normalised tensor, in the input's dtype.
-
-    Raises:
-        RuntimeError: the shapes do not fit.
-    """
+    """RMS norm over the trailing ``normalized_shape`` dimensions of ``input``, scaled by
+    ``weight`` (no bias; ``eps`` added to the mean square); output in the input's dtype.
+    ``memory_efficient`` and the errors are those of
+    :func:`apex_lite.normalization.fused_layer_norm.fused_layer_norm_affine`."""
     return _norm(input, normalized_shape, weight, None, eps, rms=True, mixed=False,
                  memory_efficient=memory_efficient)
 
 
 @half_function
 def fused_rms_norm(input, normalized_shape, eps=1e-6, memory_efficient=False):
-    """RMS norm over the trailing ``normalized_shape`` dimensions, no weight.
-
-    Args:
-        input: the tensor to normalise; its trailing dimensions are ``normalized_shape``.
-        normalized_shape: an int or a shape: the trailing dimensions normalised over.
-        eps: added to the variance (the mean square for RMS norms).
-        memory_efficient: keep the output, not the input, for the backward.
-
-    Returns:
-        The normalised tensor, in the input's dtype.
-
-    Raises:
-        RuntimeError: the shapes do not fit.
-    """
+    """RMS norm over the trailing ``normalized_shape`` dimensions of ``input``, no weight (``eps``
+    added to the mean square). ``memory_efficient``, the result (in the input's dtype) and the
+    errors are those of :func:`apex_lite.normalization.fused_layer_norm.fused_layer_norm_affine`."""
     return _norm(input, normalized_shape, None, None, eps, rms=True, mixed=False,
                  memory_efficient=memory_efficient)
 
@@ -201,21 +154,9 @@ def fused_rms_norm(input, normalized_shape, eps=1e-6, memory_efficient=False):
 @half_function
 def mixed_dtype_fused_rms_norm_affine(input, weight, normalized_shape, eps=1e-6,
                                       memory_efficient=False):
-    """``fused_rms_norm_affine`` with the output in the weight's dtype.
-
-    Args:
-        input: the tensor to normalise; its trailing dimensions are ``normalized_shape``.
-        weight: the scale, of shape ``normalized_shape``.
-        normalized_shape: an int or a shape: the trailing dimensions normalised over.
-        eps: added to the variance (the mean square for RMS norms).
-        memory_efficient: keep the output, not the input, for the backward.
-
-    Returns:
-        The normalised tensor, in the weight's dtype.
-
-    Raises:
-        RuntimeError: the shapes do not fit.
-    """
+    """``fused_rms_norm_affine`` with the output in the weight's dtype: ``input``, ``weight``,
+    ``normalized_shape``, ``eps``, ``memory_efficient`` and the errors as
+    :func:`apex_lite.normalization.fused_layer_norm.fused_layer_norm_affine`."""
     return _norm(input, normalized_shape, weight, None, eps, rms=True, mixed=True,
                  memory_efficient=memory_efficient)
 
