@@ -70,6 +70,9 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     ``MixedPrecisionPolicy(param_dtype=half)``, and the sharded fp32 parameters are the master
     weights; see ``apex_lite.amp.fsdp`` for each level and what is refused.
 
+    The arguments up to ``max_loss_scale`` are apex's, in apex's order; the keyword-only ones
+    are extensions, whose defaults keep apex's behaviour.
+
     Args:
         models: an ``nn.Module`` or a list of them, with fp32 floating-point parameters, not yet
             wrapped in DDP (wrap after ``initialize``).
