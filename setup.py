@@ -301,7 +301,11 @@ def main():
         python_requires=">=3.9",
         # numpy: torch warns "Failed to initialize NumPy" at import without it.
         install_requires=[f"torch>={TORCH_FLOOR[0]}.{TORCH_FLOOR[1]}", "numpy"],
-        extras_require={"plot": ["matplotlib"]},   # --plot of examples/ and bench/
+        extras_require={
+            "plot": ["matplotlib"],   # --plot of examples/ and bench/
+            # The Sphinx site under docs/ (sphinx-build -W --keep-going -b html docs ...).
+            "docs": ["sphinx>=7", "myst-parser>=2", "furo>=2023.9"],
+        },
         ext_modules=ext_modules,
         cmdclass=cmdclass,
     )

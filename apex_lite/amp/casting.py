@@ -182,24 +182,52 @@ def _decorate(kind: str, fn: Callable) -> Callable:
 
 def half_function(fn: Callable) -> Callable:
     """Under autocast, run ``fn`` with its floating tensor arguments cast to autocast's half
-    dtype; elsewhere call it unchanged."""
+    dtype; elsewhere call it unchanged.
+
+    Args:
+        fn: the function to wrap (a decorator: ``@amp.half_function``).
+
+    Returns:
+        The wrapped function (functools.wraps keeps its name).
+    """
     return _decorate("half", fn)
 
 
 def bfloat16_function(fn: Callable) -> Callable:
     """Under autocast (in either half dtype), run ``fn`` with its floating tensor arguments cast
-    to bfloat16 (ROCm apex's decorator); elsewhere call it unchanged."""
+    to bfloat16 (ROCm apex's decorator); elsewhere call it unchanged.
+
+    Args:
+        fn: the function to wrap (a decorator: ``@amp.bfloat16_function``).
+
+    Returns:
+        The wrapped function (functools.wraps keeps its name).
+    """
     return _decorate("bfloat16", fn)
 
 
 def float_function(fn: Callable) -> Callable:
-    """Under autocast, run ``fn`` in fp32 (floating tensor arguments cast to float32)."""
+    """Under autocast, run ``fn`` in fp32 (floating tensor arguments cast to float32).
+
+    Args:
+        fn: the function to wrap (a decorator: ``@amp.float_function``).
+
+    Returns:
+        The wrapped function (functools.wraps keeps its name).
+    """
     return _decorate("float", fn)
 
 
 def promote_function(fn: Callable) -> Callable:
     """Under autocast, run ``fn`` with floating tensor arguments cast to the widest of their
-    dtypes (apex's promote: fp16 and fp32 arguments give fp32)."""
+    dtypes (apex's promote: fp16 and fp32 arguments give fp32).
+
+    Args:
+        fn: the function to wrap (a decorator: ``@amp.promote_function``).
+
+    Returns:
+        The wrapped function (functools.wraps keeps its name).
+    """
     return _decorate("promote", fn)
 
 
@@ -214,29 +242,65 @@ def _register(kind: str, module, name: str) -> None:
 
 def register_half_function(module, name: str) -> None:
     """Make ``module.name`` a ``half_function`` (replaces the attribute on that module, at your
-    request; registering again with another kind replaces the earlier registration)."""
+    request; registering again with another kind replaces the earlier registration).
+
+    Args:
+        module: the module (or any object) holding the function.
+        name: the function's attribute name on ``module``.
+
+    Raises:
+        ValueError: ``module`` has no attribute ``name``.
+    """
     _register("half", module, name)
 
 
 def register_bfloat16_function(module, name: str) -> None:
-    """Make ``module.name`` a ``bfloat16_function`` (ROCm apex's registry form)."""
+    """Make ``module.name`` a ``bfloat16_function`` (ROCm apex's registry form).
+
+    Args:
+        module: the module (or any object) holding the function.
+        name: the function's attribute name on ``module``.
+
+    Raises:
+        ValueError: ``module`` has no attribute ``name``.
+    """
     _register("bfloat16", module, name)
 
 
 def register_float_function(module, name: str) -> None:
-    """Make ``module.name`` a ``float_function``."""
+    """Make ``module.name`` a ``float_function``.
+
+    Args:
+        module: the module (or any object) holding the function.
+        name: the function's attribute name on ``module``.
+
+    Raises:
+        ValueError: ``module`` has no attribute ``name``.
+    """
     _register("float", module, name)
 
 
 def register_promote_function(module, name: str) -> None:
-    """Make ``module.name`` a ``promote_function``."""
+    """Make ``module.name`` a ``promote_function``.
+
+    Args:
+        module: the module (or any object) holding the function.
+        name: the function's attribute name on ``module``.
+
+    Raises:
+        ValueError: ``module`` has no attribute ``name``.
+    """
     _register("promote", module, name)
 
 
 @contextlib.contextmanager
 def disable_casts():
     """Inside, autocast is off (on CPU, and on CUDA where present): code runs in the dtypes of its
-    inputs, as apex's ``disable_casts``."""
+    inputs, as apex's ``disable_casts``. A context manager: ``with amp.disable_casts(): ...``.
+
+    Yields:
+        None.
+    """
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.autocast("cpu", enabled=False))
         if torch.cuda.is_available():

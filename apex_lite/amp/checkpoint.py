@@ -20,7 +20,15 @@ class CheckpointError(RuntimeError):
 
 def save_checkpoint(obj, path) -> None:
     """``torch.save(obj, path)``, atomically: a crash leaves the previous file, never half a new
-    one."""
+    one.
+
+    Args:
+        obj: what to save (``{"model": ..., "optimizer": ..., "amp": amp.state_dict()}``).
+        path: the file to write; a temporary file beside it is renamed onto it.
+
+    Raises:
+        OSError: the file cannot be written (the temporary file is removed).
+    """
     path = os.fspath(path)
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
@@ -32,8 +40,20 @@ def save_checkpoint(obj, path) -> None:
 
 
 def load_checkpoint(path, **torch_load_kwargs):
-    """``torch.load(path, **torch_load_kwargs)``; a truncated or corrupted file raises
-    ``CheckpointError`` naming the file, the cause and the fix."""
+    """``torch.load(path, **torch_load_kwargs)``, with a damaged file named as such.
+
+    Args:
+        path: the checkpoint file.
+        torch_load_kwargs: passed to ``torch.load`` (``map_location=``, ``weights_only=``).
+
+    Returns:
+        What was saved.
+
+    Raises:
+        CheckpointError: the file is truncated or corrupted (the message names the file, its
+            size, the cause and the fix).
+        FileNotFoundError: there is no such file.
+    """
     path = os.fspath(path)
     try:
         return torch.load(path, **torch_load_kwargs)

@@ -249,7 +249,12 @@ def stuck_error(run, amp_optimizers, log: SkipLog, loss_nonfinite: bool,
 class NonfiniteLocator:
     """Forward hooks that name the first module whose output holds inf or NaN in each forward
     of ``model``. Costs one host sync per module per forward: turn it on to debug, not to train.
-    ``first_module`` is the name found in the latest forward (None when it was finite)."""
+    ``first_module`` is the name found in the latest forward (None when it was finite).
+
+    Args:
+        model: the module whose forwards are watched.
+        label: how the log names the model ("the model", "model 1").
+    """
 
     def __init__(self, model: torch.nn.Module, label: str = "the model"):
         self.model = model
@@ -268,6 +273,8 @@ class NonfiniteLocator:
         self.first_module = None
 
     def check(self, name: str, module: torch.nn.Module, args, output) -> None:
+        """The forward hook of the submodule ``name`` (``module``, called with ``args``): logs
+        it when ``output`` is the first non-finite output of this forward."""
         if self._found or all_finite(output):
             return
         self._found = True

@@ -32,7 +32,9 @@ logger = logging.getLogger("apex_lite.amp")
 
 
 class AmpHandle:
-    """One amp configuration. ``apex_lite.amp``'s module-level functions use a default one."""
+    """One amp configuration and its run. ``apex_lite.amp``'s module-level functions use a
+    default one (:func:`apex_lite.amp.default_handle`); create your own, with no arguments, to
+    keep two independent configurations (one per thread or training run)."""
 
     def __init__(self):
         self._run = None
@@ -48,7 +50,8 @@ class AmpHandle:
                    locate_nonfinite=False, fused_step=None,
                    sync_interval=DEFAULT_SYNC_INTERVAL, patch_torch_functions_type=None,
                    frozen_master_weights=False):
-        """apex's ``amp.initialize``; see ``apex_lite.amp.initialize`` for the extensions."""
+        """apex's ``amp.initialize`` on this handle: the arguments, what it returns and what it
+        raises are those of :func:`apex_lite.amp.initialize`."""
         model_list, models_was_list = _as_list(models, torch.nn.Module, "models")
         if optimizers is None:
             opt_list, opts_was_list = [], False
@@ -138,7 +141,9 @@ class AmpHandle:
     @contextlib.contextmanager
     def scale_loss(self, loss, optimizers, loss_id=0, model=None, delay_unscale=False,
                    delay_overflow_check=False):
-        """apex's ``amp.scale_loss``; ``model`` is accepted for apex compatibility and unused."""
+        """apex's ``amp.scale_loss`` on this handle: the arguments, what it yields and what it
+        raises are those of :func:`apex_lite.amp.scale_loss` (``model`` is accepted for apex
+        compatibility and unused)."""
         run = self._run
         if run is None:
             raise RuntimeError("amp.scale_loss was called before amp.initialize. Call "
@@ -240,7 +245,8 @@ class AmpHandle:
     # ---- checkpoints ------------------------------------------------------------------------
     def state_dict(self, destination=None) -> dict:
         """apex's ``{"loss_scaler<i>": {"loss_scale", "unskipped"}}`` plus, under the versioned
-        key "apex_lite", the counters and O2 master weights a bitwise resume needs."""
+        key "apex_lite", the counters and O2 master weights a bitwise resume needs; as
+        :func:`apex_lite.amp.state_dict` (``destination``: a dict to fill)."""
         run = self._run
         state = OrderedDict() if destination is None else destination
         if run is None or not run.enabled:
@@ -251,7 +257,7 @@ class AmpHandle:
     def load_state_dict(self, state_dict) -> None:
         """Load what ``state_dict`` (ours or apex's) wrote; refuses, changing nothing, a state
         that does not fit this run. A state saved at another opt level loads what carries over
-        (``saved_state.Accepted``)."""
+        (``saved_state.Accepted``). Arguments and errors: :func:`apex_lite.amp.load_state_dict`."""
         run = self._run
         if run is None:
             raise RuntimeError("amp.load_state_dict was called before amp.initialize. Call "
@@ -269,7 +275,7 @@ class AmpHandle:
         """The current run's loss scalers, one per ``loss_id`` (empty before ``initialize`` and
         when it was disabled). Their counters are host values; on the fused step, whose scales
         live on the device, they are brought up to date now and whenever one is read (a sync,
-        which also emits the skip log's pending lines)."""
+        which also emits the skip log's pending lines). As :func:`apex_lite.amp.loss_scalers`."""
         run = self._run
         if run is None or not run.enabled:
             return []
@@ -280,7 +286,8 @@ class AmpHandle:
     def locate_nonfinite(self, model: Optional[torch.nn.Module] = None):
         """Turn on the locator that logs the first module whose forward output holds inf or NaN:
         on ``model`` (any module; returns its ``NonfiniteLocator``), or on every model of the
-        current run (returns the list). ``.remove()`` turns a locator off."""
+        current run (returns the list). ``.remove()`` turns a locator off. Arguments and
+        errors: :func:`apex_lite.amp.locate_nonfinite`."""
         if model is not None:
             if not isinstance(model, torch.nn.Module):
                 raise TypeError(f"amp.locate_nonfinite takes an nn.Module, got "
@@ -294,7 +301,8 @@ class AmpHandle:
         return run.locate_nonfinite()
 
     def report(self, models=None, optimizers=None) -> "report_module.AmpReport":
-        """What amp set up, as an ``AmpReport`` (``str()`` it to read)."""
+        """What amp set up, as an ``AmpReport`` (``str()`` it to read). Arguments and errors:
+        :func:`apex_lite.amp.report`."""
         run = self._run
         if run is None or not run.enabled:
             raise RuntimeError("amp.report needs an enabled amp.initialize first")
@@ -309,7 +317,8 @@ class AmpHandle:
         """Clip the true gradients ``optimizer``'s next step() applies to ``max_norm`` and return
         their total norm, as ``torch.nn.utils.clip_grad_norm_``; after the backward(s), before
         ``step()``. On the fused step (2-norm) nothing is written: one fused norm, the clip
-        coefficient folded into the step, no host read; a non-finite norm skips the step."""
+        coefficient folded into the step, no host read; a non-finite norm skips the step.
+        Arguments and errors: :func:`apex_lite.amp.clip_grad_norm_`."""
         amp_opt = getattr(optimizer, _MARK, None)
         if amp_opt is None or amp_opt.run is not self._run:
             raise RuntimeError("amp.clip_grad_norm_ takes an optimizer that the latest "
@@ -319,7 +328,8 @@ class AmpHandle:
     def master_params(self, optimizer: torch.optim.Optimizer):
         """The tensors ``optimizer`` updates (the fp32 masters under O2), as apex: a generator.
         On the fused step, gradients still scaled are unscaled into the masters' gradients
-        when it is first read (to clip or read them, as apex code does)."""
+        when it is first read (to clip or read them, as apex code does). As
+        :func:`apex_lite.amp.master_params`."""
         amp_opt = getattr(optimizer, _MARK, None)
         if amp_opt is not None:
             amp_opt.run.model_writes.sync()

@@ -45,11 +45,25 @@ class LegacyHandle:
 
 def init(enabled=True, loss_scale="dynamic", patch_type=torch.float16, enable_caching=True,
          verbose=False, allow_banned=False) -> LegacyHandle:
-    """apex's legacy ``amp.init``: cast torch's operations to ``patch_type`` (float16 or
-    bfloat16) in this thread until the returned handle's ``_deactivate()``. ``loss_scale``,
-    ``enable_caching``, ``verbose`` and ``allow_banned`` are accepted for apex's signature and do
-    nothing here (use ``amp.initialize`` and ``amp.scale_loss`` for loss scaling). Raises
-    ValueError for another ``patch_type``, as ROCm apex did (a RuntimeError there)."""
+    """apex's legacy ``amp.init``: cast torch's operations to ``patch_type`` in this thread,
+    through ``torch.autocast`` (CPU, and CUDA where there is one), until the returned handle's
+    ``_deactivate()``. torch's autocast lists decide what runs in half, not apex's.
+
+    Args:
+        enabled: False returns a handle that casts nothing (``is_active()`` is False).
+        loss_scale: accepted for apex's signature; does nothing here (use
+            ``amp.initialize`` and ``amp.scale_loss`` for loss scaling).
+        patch_type: ``torch.float16`` (NVIDIA apex) or ``torch.bfloat16`` (ROCm apex).
+        enable_caching: accepted for apex's signature; does nothing.
+        verbose: accepted for apex's signature; does nothing.
+        allow_banned: accepted for apex's signature; does nothing.
+
+    Returns:
+        A ``LegacyHandle``: ``is_active()``, and ``_deactivate()``, which ends the casts.
+
+    Raises:
+        ValueError: another ``patch_type``, as ROCm apex refused it (a RuntimeError there).
+    """
     if patch_type not in _PATCH_TYPES:
         raise ValueError(f"amp.init(patch_type={patch_type!r}): the supported types are "
                          f"torch.float16 and torch.bfloat16")

@@ -34,9 +34,20 @@ class OptLevelError(ValueError, RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class OptLevel:
-    """One opt level: apex's properties and what they mean in a line. ``half_dtype`` is the
-    level's own half type (O4, O5: bf16), None where the device chooses (``default_half_dtype``);
-    ``like`` names the level it otherwise is (O4: O1, O5: O2)."""
+    """One opt level: apex's properties and what they mean in a line.
+
+    Attributes:
+        name: "O0" ... "O5".
+        brief: what the level does, in a line.
+        cast_model_type: the dtype the model is cast to (None: not cast).
+        patch_torch_functions: whether the forward runs under ``torch.autocast``.
+        keep_batchnorm_fp32: whether BatchNorm stays fp32 in a half model.
+        master_weights: whether the optimizer steps fp32 master weights.
+        loss_scale: a number (static) or "dynamic".
+        half_dtype: the level's own half type (O4, O5: bf16), None where the device chooses
+            (``default_half_dtype``).
+        like: the level it otherwise is (O4: O1, O5: O2), or None.
+    """
     name: str
     brief: str
     cast_model_type: Optional[torch.dtype]   # None: not cast; torch.float32 or "half" via HALF
@@ -86,8 +97,21 @@ OPT_LEVELS = {
 
 @dataclasses.dataclass
 class Properties:
-    """The resolved configuration of one ``amp.initialize`` call. ``patch_torch_functions_type``
-    is the dtype the forward runs in under autocast, None where there is no autocast."""
+    """The resolved configuration of one ``amp.initialize`` call: the level's properties with
+    the user's overrides applied (``amp._amp_state.opt_properties`` shows them as apex did).
+
+    Attributes:
+        opt_level: the level's name.
+        half_dtype: the run's half dtype.
+        cast_model_type: the dtype the model is cast to (None: not cast).
+        patch_torch_functions: whether the forward runs under ``torch.autocast``.
+        patch_torch_functions_type: the dtype the forward runs in under autocast, None where
+            there is no autocast.
+        keep_batchnorm_fp32: whether BatchNorm stays fp32 in a half model.
+        master_weights: whether the optimizer steps fp32 master weights.
+        loss_scale: a number (static) or "dynamic".
+        cast_model_outputs: the dtype the model's outputs are cast to, or None.
+    """
     opt_level: str
     half_dtype: torch.dtype
     cast_model_type: Optional[torch.dtype]

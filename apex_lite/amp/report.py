@@ -16,7 +16,8 @@ TENSOR_CORE_MULTIPLE = 8
 
 @dataclasses.dataclass
 class AmpReport:
-    """``tensors[kind][dtype] = (count, bytes)`` for kind "parameters", "gradients", "master
+    """What ``amp.report()`` returns; ``str()`` gives the readable report. ``opt_level`` and
+    ``half_dtype`` are the run's; ``tensors[kind][dtype] = (count, bytes)`` for kind "parameters", "gradients", "master
     weights" and "optimizer state"; ``bytes_per_parameter`` all of them over the number of model
     parameter elements (fp32 training with Adam holds 16: 4 weight, 4 gradient, 8 state);
     ``step_paths`` one line per optimizer (fused or unfused step, and why);

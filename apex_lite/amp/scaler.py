@@ -76,7 +76,21 @@ class BackwardScale:
 class LossScaler:
     """Scale state and counters of one loss. ``loss_scale``, ``steps`` (decisions made),
     ``skipped_steps`` and ``last_step_skipped`` are host values for diagnostics; on a device scale
-    reading one first brings them up to date (one sync)."""
+    reading one first brings them up to date (one sync). ``initialize`` makes one per loss;
+    ``amp.loss_scalers()`` returns them.
+
+    Args:
+        loss_id: the loss this scaler scales.
+        loss_scale: a number (static) or "dynamic".
+        min_loss_scale: keyword-only; the dynamic scale's floor (None: none).
+        max_loss_scale: keyword-only; the dynamic scale's ceiling.
+        scale_window: keyword-only; clean steps before the dynamic scale doubles.
+        hysteresis: keyword-only; overflows tolerated before it halves.
+        sync_interval: keyword-only; on a device scale, the most decisions between two syncs.
+
+    Raises:
+        ValueError: a scale whose inverse is not a finite fp32 number, or above fp32's largest.
+    """
 
     def __init__(self, loss_id: int, loss_scale, *, min_loss_scale: Optional[float],
                  max_loss_scale: float, scale_window: int = DEFAULT_SCALE_WINDOW,
@@ -123,6 +137,7 @@ class LossScaler:
     # ---- the host counters (a device scale syncs before they are read) ---------------------
     @property
     def loss_scale(self) -> float:
+        """The current loss scale (a host float; settable)."""
         self.sync()
         return self._loss_scale
 
@@ -135,26 +150,31 @@ class LossScaler:
 
     @property
     def steps(self) -> int:
+        """Skip decisions made so far (steps taken or skipped)."""
         self.sync()
         return self._steps
 
     @property
     def skipped_steps(self) -> int:
+        """Steps skipped so far because their gradients held inf or NaN."""
         self.sync()
         return self._skipped_steps
 
     @property
     def last_step_skipped(self) -> bool:
+        """Whether the latest step was skipped."""
         self.sync()
         return self._last_step_skipped
 
     @property
     def on_device(self) -> bool:
+        """Whether the scale lives on the device (the fused step's), read by syncing."""
         return self._state is not None
 
     # ---- the host scale ----------------------------------------------------------------------
     def update(self, overflow: bool) -> None:
-        """Record one skip decision and move the host scale by the dynamic rule."""
+        """Record one skip decision and move the host scale by the dynamic rule; ``overflow``:
+        whether the step's gradients held inf or NaN (it was skipped)."""
         self._steps += 1
         self._last_step_skipped = overflow
         if overflow:
@@ -255,10 +275,12 @@ class LossScaler:
 
     # apex's checkpoint format, plus the counters a bitwise resume needs.
     def apex_state(self) -> dict:
+        """apex's checkpoint entry: ``{"loss_scale": ..., "unskipped": ...}``."""
         self.sync()
         return {"loss_scale": self._loss_scale, "unskipped": self.unskipped}
 
     def extra_state(self) -> dict:
+        """The counters a bitwise resume needs beside apex's entry."""
         self.sync()
         return {"hysteresis_left": self.hysteresis_left, "steps": self.steps,
                 "skipped_steps": self.skipped_steps,
@@ -266,9 +288,10 @@ class LossScaler:
 
     def check_state(self, key: str, apex_state, extra_state: Optional[dict], *,
                     fit: bool = True) -> None:
-        """Raise ValueError when the saved state is damaged or, with ``fit``, cannot be loaded
-        into this scaler (``fit=False``: a state that will not be loaded, checked for damage
-        only)."""
+        """Raise ValueError when the saved state (``apex_state``, apex's entry under ``key``, and
+        ``extra_state``, apex_lite's counters or None) is damaged or, with ``fit``, cannot be
+        loaded into this scaler (``fit=False``: a state that will not be loaded, checked for
+        damage only)."""
         if not isinstance(apex_state, dict) or set(apex_state) != {"loss_scale", "unskipped"}:
             raise ValueError(f"{key} must be a dict with keys 'loss_scale' and 'unskipped' "
                              f"(apex's format); got {apex_state!r}")
@@ -311,8 +334,8 @@ class LossScaler:
                                  f"1..hysteresis={self.hysteresis}")
 
     def load_state(self, apex_state: dict, extra_state: Optional[dict]) -> None:
-        """Apply a state that ``check_state`` accepted (decisions not yet replayed are replayed
-        first, so that their log lines are not lost)."""
+        """Apply ``apex_state`` and ``extra_state`` once ``check_state`` accepted them (decisions
+        not yet replayed are replayed first, so that their log lines are not lost)."""
         self.sync()
         self._loss_scale = float(apex_state["loss_scale"])
         self.unskipped = int(apex_state["unskipped"])

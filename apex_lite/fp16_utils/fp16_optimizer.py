@@ -192,9 +192,9 @@ class FP16_Optimizer:   # noqa: N801 (apex's name)
         self._half_grads_scale = self._fp32_grads_scale = scale
 
     def clip_master_grads(self, max_norm, norm_type=2):
-        """Clip the fp32 master gradients (``torch.nn.utils.clip_grad_norm_`` over every
-        parameter the optimizer steps). Returns their total norm before clipping, or -1 when the
-        last gradients overflowed (nothing is clipped then)."""
+        """Clip the fp32 master gradients to ``max_norm`` (``torch.nn.utils.clip_grad_norm_``
+        with ``norm_type`` over every parameter the optimizer steps). Returns their total norm
+        before clipping, or -1 when the last gradients overflowed (nothing is clipped then)."""
         if self.overflow:
             return -1
         params = [p for group in self.optimizer.param_groups for p in group["params"]]

@@ -83,7 +83,7 @@ class LossScaler:
         return not bool(torch.isfinite(x).all())
 
     def update_scale(self, overflow):
-        """A static scale does not change."""
+        """A static scale does not change, whatever ``overflow`` says."""
 
     @property
     def loss_scale(self):
@@ -91,7 +91,8 @@ class LossScaler:
         return self.cur_scale
 
     def scale_gradient(self, module, grad_in, grad_out):
-        """A backward hook's result: ``grad_in`` multiplied by the scale."""
+        """A backward hook on ``module`` (apex's signature): ``grad_in`` multiplied by the
+        scale; ``grad_out`` is unused."""
         return tuple(self.loss_scale * g for g in grad_in)
 
     def backward(self, loss, retain_graph=False):
@@ -124,7 +125,8 @@ class DynamicLossScaler:
     _has_inf_or_nan = staticmethod(LossScaler._has_inf_or_nan)
 
     def update_scale(self, overflow):
-        """Count one iteration and move the scale by apex's rule (see the class)."""
+        """Count one iteration and move the scale by apex's rule (see the class): divided by
+        ``scale_factor`` when ``overflow``, multiplied after ``scale_window`` clean ones."""
         if overflow:
             self.cur_scale = max(self.cur_scale / self.scale_factor, 1)
             self.last_overflow_iter = self.cur_iter

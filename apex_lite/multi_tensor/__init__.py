@@ -50,7 +50,19 @@ def _checked(ops, check: Callable[[], None], op, *args):
 
 
 def scale(inputs: Tensors, outputs: Tensors, scale: float, found_inf: torch.Tensor) -> None:
-    """``out = in * scale`` for each pair (``outputs`` may be ``inputs``); flags non-finite inputs."""
+    """``out = in * scale`` for each pair, in fp32, rounded once to the output's dtype.
+
+    Args:
+        inputs: fp32, fp16 or bf16 tensors on one device, mixed freely.
+        outputs: tensors of the same shapes (``outputs`` may be ``inputs``: in place).
+        scale: the factor.
+        found_inf: a 1-element fp32 tensor on the tensors' device, set to 1 when an input
+            element is inf or NaN (never to 0: the caller zeroes it).
+
+    Raises:
+        TypeError or ValueError: lists of different lengths, tensors on other devices, of other
+            shapes or dtypes, or outputs that partly overlap another tensor of the call.
+    """
     _checks.check_list("inputs", inputs)
     _checks.check_list("outputs", outputs)
     device = _checks.found_inf_device(found_inf)
@@ -71,8 +83,20 @@ def scale(inputs: Tensors, outputs: Tensors, scale: float, found_inf: torch.Tens
 
 def axpby(xs: Tensors, ys: Tensors, outputs: Tensors, a: float, b: float,
           found_inf: torch.Tensor) -> None:
-    """``out = a*x + b*y`` for each triple (``outputs`` may be ``xs`` or ``ys``); flags non-finite
-    elements of ``xs`` and ``ys``."""
+    """``out = a*x + b*y`` for each triple, in fp32, rounded once to the output's dtype.
+
+    Args:
+        xs: fp32, fp16 or bf16 tensors on one device.
+        ys: tensors of the same shapes.
+        outputs: tensors of the same shapes (``outputs`` may be ``xs`` or ``ys``).
+        a: the factor of ``xs``.
+        b: the factor of ``ys``.
+        found_inf: a 1-element fp32 tensor on the tensors' device, set to 1 when an element of
+            ``xs`` or ``ys`` is inf or NaN (never to 0).
+
+    Raises:
+        TypeError or ValueError: as :func:`scale`.
+    """
     for name, tensors in (("xs", xs), ("ys", ys), ("outputs", outputs)):
         _checks.check_list(name, tensors)
     device = _checks.found_inf_device(found_inf)
@@ -96,8 +120,19 @@ def axpby(xs: Tensors, ys: Tensors, outputs: Tensors, a: float, b: float,
 
 def l2norm(tensors: Tensors, per_tensor: bool = False
            ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
-    """The L2 norm of all elements of ``tensors`` together, accumulated in fp32, as a 1-element
-    fp32 tensor; with ``per_tensor=True``, ``(total, norms)`` with one fp32 norm per tensor."""
+    """The L2 norm of all elements of ``tensors`` together, accumulated in fp32.
+
+    Args:
+        tensors: fp32, fp16 or bf16 tensors on one device.
+        per_tensor: also return each tensor's norm.
+
+    Returns:
+        A 1-element fp32 tensor; with ``per_tensor=True``, ``(total, norms)`` with one fp32
+        norm per tensor.
+
+    Raises:
+        TypeError or ValueError: a non-tensor entry, or tensors on several devices.
+    """
     _checks.check_list("tensors", tensors)
     if not tensors:
         total = torch.zeros(1, dtype=torch.float32)
@@ -109,7 +144,14 @@ def l2norm(tensors: Tensors, per_tensor: bool = False
 
 
 def nonfinite_flags(tensors: Tensors) -> torch.Tensor:
-    """A bool tensor with one entry per tensor: True where that tensor holds an inf or NaN."""
+    """Which of ``tensors`` (on one device) hold an inf or NaN.
+
+    Returns:
+        A bool tensor with one entry per tensor: True where that tensor holds an inf or NaN.
+
+    Raises:
+        TypeError or ValueError: a non-tensor entry, or tensors on several devices.
+    """
     _checks.check_list("tensors", tensors)
     if not tensors:
         return torch.zeros(0, dtype=torch.bool)

@@ -51,7 +51,8 @@ _RMS_NORM_NOT_BY_TORCH = ("cpu",)
 
 def manual_rms_norm(input, normalized_shape, weight, eps):
     """RMS norm composed of torch ops, statistics in fp32 (apex's reference implementation):
-    ``input / sqrt(mean(input**2) + eps) * weight``, in the input's dtype."""
+    ``input / sqrt(mean(input**2) + eps) * weight`` over the trailing ``normalized_shape``
+    dimensions (``weight`` may be None), in the input's dtype."""
     shape = check_shapes(input, normalized_shape, weight, None)
     dtype = compute_dtype(input, weight)
     x = input.to(dtype)
@@ -92,15 +93,31 @@ def _norm(input, normalized_shape, weight, bias, eps, *, rms: bool, mixed: bool,
 def fused_layer_norm_affine(input, weight, bias, normalized_shape, eps=1e-6,
                             memory_efficient=False):
     """Layer norm over the trailing ``normalized_shape`` dimensions with ``weight`` and
-    ``bias``; output in the input's dtype. ``memory_efficient``: keep the output, not the input,
-    for the backward. Raises RuntimeError when the shapes do not fit."""
+    ``bias``; output in the input's dtype.
+
+    Args:
+        input: the tensor to normalise; its trailing dimensions are ``normalized_shape``.
+        weight: the scale, of shape ``normalized_shape``.
+        bias: the shift, of shape ``normalized_shape``.
+        normalized_shape: an int or a shape: the trailing dimensions normalised over.
+        eps: added to the variance (the mean square for RMS norms).
+        memory_efficient: keep the output, not the input, for the backward.
+
+    Returns:
+        The normalised tensor, in the input's dtype.
+
+    Raises:
+        RuntimeError: the shapes do not fit.
+    """
     return _norm(input, normalized_shape, weight, bias, eps, rms=False, mixed=False,
                  memory_efficient=memory_efficient)
 
 
 @half_function
 def fused_layer_norm(input, normalized_shape, eps=1e-6, memory_efficient=False):
-    """Layer norm over the trailing ``normalized_shape`` dimensions, no parameters."""
+    """Layer norm over the trailing ``normalized_shape`` dimensions of ``input``, no parameters.
+    ``eps``, ``memory_efficient``, the result (in the input's dtype) and the errors are those of
+    :func:`apex_lite.normalization.fused_layer_norm.fused_layer_norm_affine`."""
     return _norm(input, normalized_shape, None, None, eps, rms=False, mixed=False,
                  memory_efficient=memory_efficient)
 
@@ -108,22 +125,28 @@ def fused_layer_norm(input, normalized_shape, eps=1e-6, memory_efficient=False):
 @half_function
 def mixed_dtype_fused_layer_norm_affine(input, weight, bias, normalized_shape, eps=1e-6,
                                         memory_efficient=False):
-    """``fused_layer_norm_affine`` with the output in the parameters' dtype."""
+    """``fused_layer_norm_affine`` with the output in the parameters' dtype: ``input``,
+    ``weight``, ``bias``, ``normalized_shape``, ``eps``, ``memory_efficient`` and the errors as
+    :func:`apex_lite.normalization.fused_layer_norm.fused_layer_norm_affine`."""
     return _norm(input, normalized_shape, weight, bias, eps, rms=False, mixed=True,
                  memory_efficient=memory_efficient)
 
 
 @half_function
 def fused_rms_norm_affine(input, weight, normalized_shape, eps=1e-6, memory_efficient=False):
-    """RMS norm over the trailing ``normalized_shape`` dimensions with ``weight``; output in the
-    input's dtype."""
+    """RMS norm over the trailing ``normalized_shape`` dimensions of ``input``, scaled by
+    ``weight`` (no bias; ``eps`` added to the mean square); output in the input's dtype.
+    ``memory_efficient`` and the errors are those of
+    :func:`apex_lite.normalization.fused_layer_norm.fused_layer_norm_affine`."""
     return _norm(input, normalized_shape, weight, None, eps, rms=True, mixed=False,
                  memory_efficient=memory_efficient)
 
 
 @half_function
 def fused_rms_norm(input, normalized_shape, eps=1e-6, memory_efficient=False):
-    """RMS norm over the trailing ``normalized_shape`` dimensions, no weight."""
+    """RMS norm over the trailing ``normalized_shape`` dimensions of ``input``, no weight (``eps``
+    added to the mean square). ``memory_efficient``, the result (in the input's dtype) and the
+    errors are those of :func:`apex_lite.normalization.fused_layer_norm.fused_layer_norm_affine`."""
     return _norm(input, normalized_shape, None, None, eps, rms=True, mixed=False,
                  memory_efficient=memory_efficient)
 
@@ -131,7 +154,9 @@ def fused_rms_norm(input, normalized_shape, eps=1e-6, memory_efficient=False):
 @half_function
 def mixed_dtype_fused_rms_norm_affine(input, weight, normalized_shape, eps=1e-6,
                                       memory_efficient=False):
-    """``fused_rms_norm_affine`` with the output in the weight's dtype."""
+    """``fused_rms_norm_affine`` with the output in the weight's dtype: ``input``, ``weight``,
+    ``normalized_shape``, ``eps``, ``memory_efficient`` and the errors as
+    :func:`apex_lite.normalization.fused_layer_norm.fused_layer_norm_affine`."""
     return _norm(input, normalized_shape, weight, None, eps, rms=True, mixed=True,
                  memory_efficient=memory_efficient)
 
@@ -237,8 +262,9 @@ def _mixed_affine(cls_name: str, kwargs: dict) -> None:
 
 class MixedFusedLayerNorm(FusedLayerNorm):
     """``FusedLayerNorm`` whose output has the parameters' dtype: fp32 parameters with a half
-    input give fp32 (apex's Megatron-style mixed-dtype layer norm). Keyword arguments as
-    ``FusedLayerNorm``; ``elementwise_affine=False`` raises RuntimeError."""
+    input give fp32 (apex's Megatron-style mixed-dtype layer norm). ``normalized_shape``,
+    ``eps`` and ``memory_efficient`` as ``FusedLayerNorm``; ``elementwise_affine=False`` raises
+    RuntimeError."""
 
     def __init__(self, normalized_shape, eps=1e-5, *, memory_efficient=False, **kwargs):
         _mixed_affine(type(self).__name__, kwargs)
@@ -253,8 +279,8 @@ class MixedFusedLayerNorm(FusedLayerNorm):
 
 
 class MixedFusedRMSNorm(FusedRMSNorm):
-    """``FusedRMSNorm`` whose output has the weight's dtype. ``elementwise_affine=False`` raises
-    RuntimeError."""
+    """``FusedRMSNorm`` whose output has the weight's dtype. ``normalized_shape``, ``eps`` and
+    ``memory_efficient`` as ``FusedRMSNorm``; ``elementwise_affine=False`` raises RuntimeError."""
 
     def __init__(self, normalized_shape, eps=1e-5, *, memory_efficient=False, **kwargs):
         _mixed_affine(type(self).__name__, kwargs)

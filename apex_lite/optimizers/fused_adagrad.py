@@ -64,13 +64,16 @@ def adagrad_lists(update: FusedUpdate, params: List[torch.Tensor], state, initia
 
 
 class AdagradUpdate(FusedUpdate):
-    """One ``fused_adagrad_`` call for one param group on one device."""
+    """One ``fused_adagrad_`` call for one param group on one device. The arguments (``params``,
+    ``grad_sources``, ``model_params``, ``label``, ``ops``) are :class:`FusedUpdate`'s."""
 
     kind = "adagrad"
     torch_kernels = True
 
     @classmethod
     def torch_kernels_reason(cls, hyper: AdagradHyper) -> str:
+        """Why torch's fused kernels cannot compute this update for the hyper-parameters
+        ``hyper``; "" (or None) when they can."""
         if not _torch_fused.serves_adagrad(hyper.weight_decay, hyper.adagrad_w_mode):
             return ("adagrad_w_mode=True, and torch's Adagrad kernel adds the weight decay to "
                     "the gradient")
@@ -134,7 +137,8 @@ class FusedAdagrad(FusedOptimizer):
         return AdagradHyper.from_group(group)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Loads a state dict of this optimizer or of torch.optim.Adagrad (``lr_decay`` 0)."""
+        """Loads ``state_dict``, a state dict of this optimizer or of torch.optim.Adagrad
+        (``lr_decay`` 0; another raises ValueError)."""
         for index, group in enumerate(state_dict.get("param_groups", ())):
             self._check_lr_decay(group.get("lr_decay", 0.0),
                                  f"FusedAdagrad: the state dict's param group {index}")

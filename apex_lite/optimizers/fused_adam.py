@@ -46,7 +46,8 @@ class AdamHyper(NamedTuple):
 
 
 class AdamUpdate(FusedUpdate):
-    """One ``fused_adam_`` call for one param group on one device."""
+    """One ``fused_adam_`` call for one param group on one device. The arguments (``params``,
+    ``grad_sources``, ``model_params``, ``label``, ``ops``) are :class:`FusedUpdate`'s."""
 
     kind = "adam"
     held_step = "fused_adam_"
@@ -54,6 +55,8 @@ class AdamUpdate(FusedUpdate):
 
     @classmethod
     def torch_kernels_reason(cls, hyper: AdamHyper) -> str:
+        """Why torch's fused kernels cannot compute this update for the hyper-parameters
+        ``hyper``; "" (or None) when they can."""
         if not _torch_fused.serves_adam(hyper.bias_correction):
             return "bias_correction=False, and torch's Adam kernels always correct the bias"
         return ""

@@ -52,7 +52,8 @@ class LambHyper(_LambFields):
 
 
 class LambUpdate(FusedUpdate):
-    """One ``fused_lamb_`` call for one param group on one device."""
+    """One ``fused_lamb_`` call for one param group on one device. The arguments (``params``,
+    ``grad_sources``, ``model_params``, ``label``, ``ops``) are :class:`FusedUpdate`'s."""
 
     kind = "lamb"
     needs_whole_parameters = True   # the trust ratio: ||param|| / ||update|| per parameter

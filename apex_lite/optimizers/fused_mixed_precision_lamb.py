@@ -68,7 +68,8 @@ class _OpCall(NamedTuple):
 class MixedPrecisionLambUpdate(FusedUpdate):
     """The ``fused_lamb_mp_`` calls of one param group on one device: one over the parameters of
     ``reduced_precision_dtype`` (their fp32 masters updated, the parameters written rounded),
-    one over the others; a group of one kind makes one call."""
+    one over the others; a group of one kind makes one call. The arguments (``params``,
+    ``grad_sources``, ``model_params``, ``label``) are :class:`FusedUpdate`'s."""
 
     kind = "lamb"
     needs_whole_parameters = True   # the trust ratio: ||param|| / ||update|| per parameter

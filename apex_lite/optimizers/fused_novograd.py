@@ -101,7 +101,8 @@ def novograd_lists(update: FusedUpdate, params: List[torch.Tensor], state
 
 
 class NovoGradUpdate(FusedUpdate):
-    """One ``fused_novograd_`` call for one param group on one device."""
+    """One ``fused_novograd_`` call for one param group on one device. The arguments (``params``,
+    ``grad_sources``, ``model_params``, ``label``, ``ops``) are :class:`FusedUpdate`'s."""
 
     kind = "novograd"
     needs_whole_parameters = True   # the per-layer norm of each parameter's gradient

@@ -59,6 +59,8 @@ class SGDUpdate(FusedUpdate):
 
     @classmethod
     def torch_kernels_reason(cls, hyper: SGDHyper) -> str:
+        """Why torch's fused kernels cannot compute this update for the hyper-parameters
+        ``hyper``; "" (or None) when they can."""
         if not _torch_fused.serves_sgd(hyper.weight_decay, hyper.wd_after_momentum):
             return ("wd_after_momentum=True, and torch's SGD kernel adds the weight decay "
                     "before the momentum")

@@ -126,7 +126,18 @@ class _Plan:
 
 
 class FusedUpdate:
-    """The fused step of one param group on one device (see the module docstring)."""
+    """The fused step of one param group on one device (see the module docstring).
+
+    Args:
+        params: the tensors the step updates (fp32 masters under O2).
+        grad_sources: where their gradients are read (default ``params``; under O2 the model's
+            half parameters, whose ``.grad`` holds the scaled gradients).
+        model_params: keyword or positional; half model parameters the step writes rounded
+            (O2), or None.
+        label: keyword-only; how messages name the update.
+        ops: keyword-only; the op module that computes the step (default: the backend serving
+            the device, looked up at each call).
+    """
 
     kind = ""            # "sgd", "adam", "lamb": for messages
     # The method of the lists held in C++ that makes this update's step (``hold_lists``), or
@@ -290,7 +301,8 @@ class FusedUpdate:
                     params: Optional[List[torch.Tensor]] = None,
                     cause: Optional[BaseException] = None) -> None:
         """Raise an error naming the parameter and the fix for a gradient the op cannot take
-        (``grads`` aligned with ``params``, default the update's; None entries are skipped)."""
+        (``grads`` aligned with ``params``, default the update's; None entries are skipped);
+        ``cause``, an exception the op raised, is chained to it."""
         for g, p in zip(grads, self.params if params is None else params):
             if g is not None and g.layout != torch.strided:
                 dense_optimizer = "SGD" if self.kind == "sgd" else "SparseAdam"

@@ -120,11 +120,11 @@ class LARC(torch.optim.Optimizer):
             hook(self)
 
     def zero_grad(self, set_to_none: bool = True):
-        """The wrapped optimizer's ``zero_grad``."""
+        """The wrapped optimizer's ``zero_grad(set_to_none)``."""
         self.optim.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group):
-        """The wrapped optimizer's ``add_param_group``."""
+        """The wrapped optimizer's ``add_param_group(param_group)``."""
         self.optim.add_param_group(param_group)
 
     # ---- the step ---------------------------------------------------------------------------

@@ -205,8 +205,8 @@ class DistributedDataParallel(Module):
         self._disable_allreduce = True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """The wrapped module's ``zero_grad`` (under amp, the one that also clears O2's master
-        gradients)."""
+        """The wrapped module's ``zero_grad(set_to_none)`` (under amp, the one that also clears
+        O2's master gradients)."""
         self.module.zero_grad(set_to_none=set_to_none)
 
     # ---- the forward and the hooks ------------------------------------------------------------

@@ -64,7 +64,8 @@ def split_half_float_double(tensors) -> List[List[torch.Tensor]]:
 
 
 def flat_dist_call(tensors, call, extra_args=None) -> None:
-    """``apply_flat_dist_call`` once per (device, dtype) group of ``tensors``: with
+    """``apply_flat_dist_call`` once per (device, dtype) group of ``tensors``, with ``call`` the
+    collective and ``extra_args`` its further arguments: with
     ``dist.all_reduce`` every tensor ends as the average over the ranks, with ``dist.broadcast``
     and ``extra_args=(src,)`` as rank ``src``'s. Every rank must pass tensors of the same
     shapes, dtypes and order."""

@@ -73,6 +73,13 @@ class SyncBatchNorm(_BatchNorm):
                 f"{', fuse_relu=True' if self.fuse_relu else ''}")
 
     def forward(self, input, z=None):
+        """Normalise ``input`` (N, C, ...) with the statistics of the whole group's batch; ``z``,
+        when given, is added to the output before the ReLU of ``fuse_relu`` (apex's fused
+        add-ReLU). Returns a tensor of the input's shape and dtype.
+
+        Raises:
+            ValueError: the input's channel count is not ``num_features``.
+        """
         self._check_input_dim(input)
         channel_last = self.channel_last if input.dim() != 2 else True
         channel_dim = input.dim() - 1 if channel_last else 1
