@@ -45,7 +45,7 @@ BUILD_INFO_NAME = "_build_info.py"
 # no public Module.register_load_state_dict_pre_hook / register_state_dict_post_hook (amp's
 # hooks on the model), torch 2.3 also no CPU fused optimizer kernels, _foreach_norm(dtype=),
 # torch.is_autocast_enabled(device) or torch.library.register_fake. CI checks this floor and the
-# newest release (tools/check_torch_range.sh).
+# newest release its machines' pip serves (tools/check_torch_range.sh, .ci/run).
 TORCH_FLOOR = (2, 5)
 # setuptools from this version carries bdist_wheel itself; before it, the wheel package does.
 SETUPTOOLS_OWN_BDIST_WHEEL = (70, 1)
