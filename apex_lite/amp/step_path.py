@@ -395,6 +395,9 @@ class FusedStep:
         made only to be zeroed: set to None first, then (``set_to_none=False``) every master
         that had a gradient reads as zeros, as on the unfused step, without fp32 zeros held."""
         if set_to_none:
+            for group in amp_opt.groups().values():
+                if group.pending_watch is not None:
+                    group.pending_watch.unpend()   # one C++ loop, not a Python one in torch's
             original(set_to_none=True)
             return
         had = {}

@@ -64,7 +64,8 @@ class PendingGrads:
     """``pend()``: each of ``masters`` whose source (``sources[i]``) has a gradient gets
     ``pending[i]`` as its ``.grad``; what every master's ``.grad`` is then is recorded.
     ``changed()``: the index of the first master whose ``.grad`` is not the tensor recorded
-    (another tensor, or None where one was, or one where None was); -1 when none."""
+    (another tensor, or None where one was, or one where None was); -1 when none. ``unpend()``:
+    the masters that still hold their pending gradient hold none."""
 
     def __init__(self, sources: Tensors, masters: Tensors, pending: Tensors):
         if not len(sources) == len(masters) == len(pending):
@@ -85,6 +86,12 @@ class PendingGrads:
             if master.grad is not old:
                 return i
         return -1
+
+    def unpend(self) -> None:
+        """Take the pending gradients off the masters that still hold them."""
+        for master, pending in zip(self.masters, self.pending):
+            if master.grad is pending:
+                master.grad = None
 
     def clear(self) -> None:
         self.recorded = None
