@@ -8,8 +8,9 @@ Written from what ROCm's tests check, not copied, with these changes for apex_li
 - ``_amp_state.handle._deactivate()`` between runs: a reference and a restored model trained side
   by side each get their own ``AmpHandle`` (one handle serves one ``initialize``).
 - test_basic_casts and test_promotion ran ops under apex's ``amp.init(patch_type=bfloat16)``,
-  which patched torch; apex_lite has no ``amp.init`` and runs O4's forward under
-  ``torch.autocast``: the ops run inside an O4 model's forward, and only the cases where torch's
+  which patched torch; apex_lite's ``amp.init`` turns on ``torch.autocast`` instead (its own
+  tests are in test_amp_rocm_levels.py): here the ops run inside an O4 model's forward, under the
+  same autocast, and only the cases where torch's
   CPU autocast lists agree with apex's are kept (CPU autocast runs softmax, group_norm, pow and
   sum in their input's dtype where apex ran them in fp32, and casts binary_cross_entropy where
   apex refused it).

@@ -22,7 +22,7 @@ from .diagnostics import DEFAULT_OVERFLOW_PATIENCE, NonfiniteLocator, OverflowSt
 from ..apex_compat.amp_state import AmpStateView
 from .handle import AmpHandle
 from .report import AmpReport
-from .opt_levels import OPT_LEVELS, OptLevel, Properties
+from .opt_levels import OPT_LEVELS, OptLevel, OptLevelError, Properties
 from .scaler import DEFAULT_SCALE_WINDOW, DEFAULT_SYNC_INTERVAL, LossScaler
 
 __all__ = [
@@ -31,7 +31,7 @@ __all__ = [
     "half_function", "bfloat16_function", "float_function", "promote_function",
     "register_half_function", "register_bfloat16_function", "register_float_function",
     "register_promote_function", "disable_casts", "init", "AmpHandle",
-    "OPT_LEVELS", "OptLevel", "Properties", "LossScaler", "default_handle", "locate_nonfinite",
+    "OPT_LEVELS", "OptLevel", "OptLevelError", "Properties", "LossScaler", "default_handle", "locate_nonfinite",
     "report", "AmpReport", "NonfiniteLocator", "OverflowStuckError", "save_checkpoint",
     "load_checkpoint", "CheckpointError",
 ]
