@@ -4,20 +4,23 @@
 // The Python backend's classes of the same names (apex_lite/multi_tensor/_watches.py) are the
 // reference: same answers.
 //
-// torch.classes.apex_lite.PendingGrads (apex_lite/amp/master_grads.py): at the end of a
+// torch.classes.apex_lite.LazyGradSlots (apex_lite/amp/master_grads.py): at the end of a
 // scale_loss, the fused step gives each O2 master whose half model parameter has a gradient its
-// PendingGrad (a tensor standing for the true fp32 gradient, made only when used), and at
-// step() asks whether any master's .grad was since replaced, deleted or set to None by user
-// code, which the step must then apply as the unfused step would.
+// LazyGrad (a tensor standing for the true fp32 gradient, made only when used), unless the
+// master already holds another gradient, which the new one is added to; at step() it asks
+// whether any master's .grad was since replaced, deleted or set to None by user code, which the
+// step must then apply as the unfused step would.
 //
-// torch.classes.apex_lite.TensorWatch (apex_lite/amp/model_writes.py): whether a list of tensors
-// (the half model parameters) was written in place since recorded (a version counter moved),
-// given other memory (``p.data = t`` keeps the version counter but not the data pointer) or had
-// its requires_grad flipped: writes that amp did not make, which it takes into the masters.
+// torch.classes.apex_lite.TensorWatch (apex_lite/amp/two_copies.py): whether the tensors of a
+// list (the half model parameters and their masters) were written since recorded (a version
+// counter moved, or other memory: ``p.data = t`` keeps the version counter but not the data
+// pointer), and whether their requires_grad was flipped: writes that amp did not make, which it
+// carries to the other copy.
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <cstdint>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -26,24 +29,34 @@ namespace {
 
 using Tensors = std::vector<at::Tensor>;
 
-class PendingGrads : public torch::CustomClassHolder {
+class LazyGradSlots : public torch::CustomClassHolder {
  public:
-  PendingGrads(Tensors sources, Tensors masters, Tensors pending)
-      : sources_(std::move(sources)), masters_(std::move(masters)), pending_(std::move(pending)) {
-    TORCH_CHECK(sources_.size() == masters_.size() && masters_.size() == pending_.size(),
-                "PendingGrads: sources, masters and pending must be aligned lists");
+  LazyGradSlots(Tensors sources, Tensors masters, Tensors lazies)
+      : sources_(std::move(sources)), masters_(std::move(masters)), lazies_(std::move(lazies)) {
+    TORCH_CHECK(sources_.size() == masters_.size() && masters_.size() == lazies_.size(),
+                "LazyGradSlots: sources, masters and lazies must be aligned lists");
   }
 
-  // Give each master whose source has a gradient its pending gradient, and record what every
-  // master's .grad is now.
-  void pend() {
+  // Each master whose source has a gradient and that holds none (or its own lazy gradient)
+  // gets its lazy gradient; the indices of those that hold another gradient (which the new one
+  // is to be added to) are returned. What every master's .grad is then is recorded.
+  std::vector<int64_t> give() {
     const size_t n = masters_.size();
+    std::vector<int64_t> holding;
     recorded_.assign(n, at::Tensor());
     for (size_t i = 0; i < n; ++i) {
-      if (sources_[i].grad().defined()) masters_[i].mutable_grad() = pending_[i];
+      if (sources_[i].grad().defined()) {
+        const at::Tensor& g = masters_[i].grad();
+        if (!g.defined() || g.is_same(lazies_[i])) {
+          masters_[i].mutable_grad() = lazies_[i];
+        } else {
+          holding.push_back(static_cast<int64_t>(i));
+        }
+      }
       recorded_[i] = masters_[i].grad();
     }
     is_recorded_ = true;
+    return holding;
   }
 
   // The index of the first master whose .grad is not the tensor recorded (another tensor, or
@@ -60,14 +73,31 @@ class PendingGrads : public torch::CustomClassHolder {
     return -1;
   }
 
-  // Take the pending gradients off the masters that still hold them (zero_grad: torch's own
-  // then finds no gradient to drop there, instead of one Python assignment per master).
-  void unpend() {
+  // Take the lazy gradients off the masters that still hold them (zero_grad: torch's own then
+  // finds no gradient to drop or zero there, instead of one Python assignment per master), and
+  // remember which, for put_back.
+  void take_back() {
     const size_t n = masters_.size();
+    taken_.clear();
     for (size_t i = 0; i < n; ++i) {
       const at::Tensor& g = masters_[i].grad();
-      if (g.defined() && g.is_same(pending_[i])) masters_[i].mutable_grad().reset();
+      if (g.defined() && g.is_same(lazies_[i])) {
+        masters_[i].mutable_grad().reset();
+        taken_.push_back(i);
+      }
     }
+  }
+
+  // Give the lazy gradients that the last take_back took off back to their masters.
+  void put_back() {
+    for (size_t i : taken_) masters_[i].mutable_grad() = lazies_[i];
+    taken_.clear();
+  }
+
+  // Slot i's lazy gradient is another tensor from now on (the old one is held by user code).
+  void replace(int64_t i, at::Tensor lazy) {
+    TORCH_CHECK(i >= 0 && static_cast<size_t>(i) < lazies_.size(), "LazyGradSlots: index");
+    lazies_[i] = std::move(lazy);
   }
 
   void clear() {
@@ -78,8 +108,9 @@ class PendingGrads : public torch::CustomClassHolder {
  private:
   Tensors sources_;
   Tensors masters_;
-  Tensors pending_;
+  Tensors lazies_;
   Tensors recorded_;
+  std::vector<size_t> taken_;
   bool is_recorded_ = false;
 };
 
@@ -100,19 +131,21 @@ class TensorWatch : public torch::CustomClassHolder {
     is_recorded_ = true;
   }
 
-  // The indices of the tensors whose version, data pointer or requires_grad differs from the
-  // record (empty when none, or nothing is recorded).
-  std::vector<int64_t> changed() const {
-    std::vector<int64_t> out;
-    if (!is_recorded_) return out;
+  // (written, flipped): the indices of the tensors whose version or data pointer differs from
+  // the record, and of those whose requires_grad does (both empty when nothing is recorded).
+  std::tuple<std::vector<int64_t>, std::vector<int64_t>> changed() const {
+    std::vector<int64_t> written, flipped;
+    if (!is_recorded_) return {written, flipped};
     const size_t n = tensors_.size();
     for (size_t i = 0; i < n; ++i) {
-      if (version(tensors_[i]) != versions_[i] || tensors_[i].const_data_ptr() != data_[i] ||
-          tensors_[i].requires_grad() != static_cast<bool>(requires_grad_[i])) {
-        out.push_back(static_cast<int64_t>(i));
+      if (version(tensors_[i]) != versions_[i] || tensors_[i].const_data_ptr() != data_[i]) {
+        written.push_back(static_cast<int64_t>(i));
+      }
+      if (tensors_[i].requires_grad() != static_cast<bool>(requires_grad_[i])) {
+        flipped.push_back(static_cast<int64_t>(i));
       }
     }
-    return out;
+    return {written, flipped};
   }
 
  private:
@@ -132,12 +165,14 @@ class TensorWatch : public torch::CustomClassHolder {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(apex_lite, m) {
-  m.class_<PendingGrads>("PendingGrads")
+  m.class_<LazyGradSlots>("LazyGradSlots")
       .def(torch::init<Tensors, Tensors, Tensors>())
-      .def("pend", &PendingGrads::pend)
-      .def("changed", &PendingGrads::changed)
-      .def("unpend", &PendingGrads::unpend)
-      .def("clear", &PendingGrads::clear);
+      .def("give", &LazyGradSlots::give)
+      .def("changed", &LazyGradSlots::changed)
+      .def("take_back", &LazyGradSlots::take_back)
+      .def("put_back", &LazyGradSlots::put_back)
+      .def("replace", &LazyGradSlots::replace)
+      .def("clear", &LazyGradSlots::clear);
   m.class_<TensorWatch>("TensorWatch")
       .def(torch::init<Tensors>())
       .def("record", &TensorWatch::record)

@@ -148,7 +148,7 @@ def _true_grads(opt):
     grads = []
     for master in amp_opt.masters():
         if amp_opt.grad_state == CHECKED:
-            grad = amp_opt.model_of.get(master, master).grad
+            grad = amp_opt.run.pairs.model_of(master).grad
             grads.append(None if grad is None else grad.float() * amp_opt.pending.inv)
         else:
             grads.append(None if master.grad is None else master.grad.float().clone())
@@ -364,13 +364,13 @@ def test_o2_state_dict_holds_the_masters_themselves():
     state = model.state_dict()
     assert all(v.dtype in (torch.float32, torch.int64) for v in state.values())
     run = amp.default_handle()._run
-    for name, _, master in run.master_pairs[0]:
+    for name, master in ((pair.name, pair.master) for pair in run.pairs.per_model[0]):
         assert torch.equal(state[name], master)
     # Loads into a plain fp32 model, exactly.
     plain = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8),
                                 torch.nn.Linear(8, 2))
     plain.load_state_dict(state)
-    for name, _, master in run.master_pairs[0]:
+    for name, master in ((pair.name, pair.master) for pair in run.pairs.per_model[0]):
         assert torch.equal(plain.state_dict()[name], master)
 
 

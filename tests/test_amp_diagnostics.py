@@ -7,7 +7,7 @@ import torch
 
 from amp_helpers import Net, batch, inject_inf, snapshot, assert_bitwise_equal, train_step
 from apex_lite import amp, multi_tensor
-from apex_lite.amp.master_grads import is_pending
+from apex_lite.amp.master_grads import is_lazy
 from apex_lite.amp.diagnostics import SkipLog
 from apex_lite.amp.overflow import skip_message
 from apex_lite.amp.scaler import LossScaler
@@ -265,11 +265,11 @@ def test_report_o2(fused_step):
     # the O2 masters' are pending, made only if used).
     half_grads = [p.grad for p in bf16]
     assert len(half_grads) == 4 and all(g is not None for g in half_grads)
-    grads = [p.grad for p in masters if p.grad is not None and not is_pending(p.grad)]
+    grads = [p.grad for p in masters if p.grad is not None and not is_lazy(p.grad)]
     assert len(grads) == (6 if fused_step is False else 2)
     assert rep.tensors["gradients"] == {torch.float32: (len(grads), nbytes(grads)),
                                         torch.bfloat16: (4, nbytes(half_grads))}
-    half_masters = [p for p in masters if p in amp.default_handle()._run.model_of]
+    half_masters = [p for p in masters if amp.default_handle()._run.pairs.is_master(p)]
     assert rep.tensors["master weights"] == {torch.float32: (4, nbytes(half_masters))}
     assert rep.kept_fp32 == [["bn"]]
     assert rep.backends == {"cpu": multi_tensor.backend("cpu")}

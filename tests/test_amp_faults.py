@@ -92,9 +92,9 @@ def test_model_zero_grad_clears_o2_master_gradients_of_that_model_only(set_to_no
     with amp.scale_loss(a(x).sum() + b(x).sum(), opt) as scaled:
         scaled.backward()
     masters_a = [p for p in amp.master_params(opt) if any(
-        p is amp.default_handle()._run.master_of.get(q) for q in a.parameters())]
+        p is getattr(amp.default_handle()._run.pairs.of_model(q), "master", None) for q in a.parameters())]
     masters_b = [p for p in amp.master_params(opt) if any(
-        p is amp.default_handle()._run.master_of.get(q) for q in b.parameters())]
+        p is getattr(amp.default_handle()._run.pairs.of_model(q), "master", None) for q in b.parameters())]
     a.zero_grad(set_to_none=set_to_none)
     for m in masters_a:
         assert m.grad is None if set_to_none else not m.grad.any()

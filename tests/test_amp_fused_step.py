@@ -15,7 +15,7 @@ import torch
 
 from amp_helpers import CountSyncs, assert_bitwise_equal, snapshot
 from apex_lite import amp
-from apex_lite.amp.master_grads import is_pending
+from apex_lite.amp.master_grads import is_lazy
 from apex_lite.amp.optimizer import CHECKED, UNSCALED
 from apex_lite.multi_tensor import backend
 from apex_lite.optimizers import FusedAdagrad, FusedAdam, FusedLAMB, FusedSGD
@@ -249,7 +249,7 @@ def test_o2_fused_holds_no_master_gradients_and_16_bytes_per_parameter_with_adam
     opt.step()
     # After the step each master shows the gradient it applied, as on the unfused step, made
     # only if something uses it: none is held.
-    assert all(is_pending(p.grad) for p in opt._apex_lite_amp.masters())
+    assert all(is_lazy(p.grad) for p in opt._apex_lite_amp.masters())
     report = amp.report()
     # half param 2 + half grad 2 + fp32 master 4 + Adam state 8 (+ a 4-byte step per tensor).
     assert 16.0 <= report.bytes_per_parameter < 16.01
@@ -270,13 +270,16 @@ def test_no_host_sync_per_step_and_one_check_one_kernel_call(opt_name, monkeypat
     """Five steps, one of them skipped: no host read, on either backend (the Python backend's
     reference keeps found_inf and the step counts on the device too). No unscale pass, no fp32
     master gradient; the counters are right when read afterwards."""
-    from apex_lite.amp import masters as amp_masters
+    from apex_lite.amp import master_grads, opt_params, two_copies
     model = _net()
     model, opt = amp.initialize(model, OPTIMIZERS[opt_name](model.parameters()),
                                 opt_level="O2", verbosity=0, fused_step=True)
     assert amp.default_handle()._run.decides_on_device
     unscales = []
-    monkeypatch.setattr(amp_masters, "fused_scale", lambda *a: unscales.append(a))
+    # Where master gradients would be made (the fp32 parameters' own in-place unscale at the
+    # block's end, step_path.py, is expected).
+    for module in (master_grads, opt_params, two_copies):
+        monkeypatch.setattr(module, "fused_scale", lambda *a: unscales.append(a))
     syncs = 0
     for i in range(5):
         opt.zero_grad()
@@ -292,7 +295,7 @@ def test_no_host_sync_per_step_and_one_check_one_kernel_call(opt_name, monkeypat
     assert syncs == 0
     run = amp.default_handle()._run
     # No fp32 master gradient was made: each master shows its step's, pending.
-    assert all(is_pending(m.grad) for m in opt._apex_lite_amp.masters() if m in run.model_of)
+    assert all(is_lazy(m.grad) for m in opt._apex_lite_amp.masters() if run.pairs.is_master(m))
     scaler = amp.loss_scalers()[0]
     assert (scaler.steps, scaler.skipped_steps, scaler.loss_scale) == (5, 1, 32768.0)
     assert not scaler.last_step_skipped
@@ -424,7 +427,7 @@ def test_clip_grad_norm_returns_the_true_norm_without_materialising():
         norm = amp.clip_grad_norm_(opt, 1.0)
     assert syncs.count == 0
     assert opt._apex_lite_amp.grad_state == CHECKED
-    assert is_pending(opt._apex_lite_amp.masters()[0].grad)   # nothing made
+    assert is_lazy(opt._apex_lite_amp.masters()[0].grad)   # nothing made
     torch.testing.assert_close(norm, torch.tensor(8.0 ** 0.5))   # ones(2, 4)
     before = opt._apex_lite_amp.masters()[0].detach().clone()
     opt.step()

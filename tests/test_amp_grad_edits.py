@@ -24,7 +24,7 @@ import torch
 
 from amp_helpers import assert_bitwise_equal, snapshot
 from apex_lite import amp
-from apex_lite.amp.master_grads import is_pending
+from apex_lite.amp.master_grads import is_lazy
 
 PATHS = pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
 _RAW_GRAD = torch._C.TensorBase.grad   # a .grad read that no Python property intercepts
@@ -442,16 +442,16 @@ def test_unused_gradients_are_not_materialised_on_the_fused_step():
     model, opt = _setup(True, _bn_net)
     amp_opt = opt._apex_lite_amp
     _backward(model, opt)
-    half_masters = [m for m in amp_opt.masters() if m in amp.default_handle()._run.model_of]
-    assert half_masters and all(is_pending(m.grad) for m in half_masters)
+    half_masters = [m for m in amp_opt.masters() if amp.default_handle()._run.pairs.is_master(m)]
+    assert half_masters and all(is_lazy(m.grad) for m in half_masters)
     opt.step()
-    assert all(is_pending(m.grad) for m in half_masters)
+    assert all(is_lazy(m.grad) for m in half_masters)
     opt.zero_grad()
     _backward(model, opt, 1)
     assert half_masters[-1].grad is not None     # a read is only a read
-    assert all(is_pending(m.grad) for m in half_masters)
+    assert all(is_lazy(m.grad) for m in half_masters)
     half_masters[-1].grad.norm()                 # one use makes them all
-    assert not any(is_pending(m.grad) or m.grad is None for m in half_masters)
+    assert not any(is_lazy(m.grad) or m.grad is None for m in half_masters)
 
 
 # ---- the watch itself, on both backends ---------------------------------------------------------

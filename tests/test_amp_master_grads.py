@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from apex_lite import amp
-from apex_lite.amp.master_grads import PendingGrad, is_pending
+from apex_lite.amp.master_grads import LazyGrad, is_lazy
 
 PATHS = {"fused": True, "unfused": False}
 _optimizer_hooks = importlib.import_module("torch.optim.optimizer")
@@ -277,10 +277,10 @@ def test_the_fp32_gradient_buffer_goes_back_after_a_step_with_no_read():
         _backward(model, opt, i)
         if i == 0:
             float(_masters(opt)[0].grad.norm())   # one read, at step 0
-            assert group._master_grad_buffers is not None
+            assert all(v is not None for v in group.grads.values)
         opt.step()
-        assert (group._master_grad_buffers is not None) == (i == 0)
-    assert all(is_pending(p.grad) for p in _masters(opt))
+        assert all((v is not None) == (i == 0) for v in group.grads.values)
+    assert all(is_lazy(p.grad) for p in _masters(opt))
     assert "gradients: 4 torch.bfloat16 tensors" in str(amp.report())
     assert "torch.float32 tensors" not in str(amp.report()).split("gradients:")[1].split("\n")[0]
 
@@ -289,10 +289,10 @@ def test_a_read_is_a_plain_attribute_read():
     model, opt = _setup("fused")
     _backward(model, opt)
     master = _masters(opt)[0]
-    assert type(master.grad) is PendingGrad and is_pending(master.grad)
+    assert type(master.grad) is LazyGrad and is_lazy(master.grad)
     # Metadata reads make nothing.
     assert master.grad.shape == master.shape and master.grad.dtype == torch.float32
-    assert is_pending(master.grad)
+    assert is_lazy(master.grad)
     # torch's foreach utilities keep one fused call over a list of them.
     assert torch.utils._foreach_utils._has_foreach_support(
         [p.grad for p in _masters(opt)], master.device)

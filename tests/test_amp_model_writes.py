@@ -139,7 +139,12 @@ def test_a_checkpoint_holds_an_in_place_write_through_data():
     assert torch.equal(amp.state_dict()["apex_lite"]["master_weights"][0][0], merged.float())
 
 
-def test_a_write_keeps_the_fp32_bits_of_the_elements_it_did_not_change():
+def test_a_write_outside_a_forward_is_taken_whole():
+    """A write made outside a forward (a user's, through a view of part of the tensor too) is
+    taken whole: the master becomes the upcast of the written half tensor, also where a value
+    did not change, so that ranks whose half models a write made equal have equal masters (issue
+    49). Only a module's own write in its forward keeps the fp32 bits elsewhere (the Embedding
+    test above)."""
     model = torch.nn.Linear(8, 8)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     exact = model.weight.detach().clone()
@@ -148,7 +153,8 @@ def test_a_write_keeps_the_fp32_bits_of_the_elements_it_did_not_change():
         model.weight[0].fill_(2.0)
     state = model.state_dict()["weight"]
     assert torch.equal(state[0], torch.full((8,), 2.0))
-    assert torch.equal(state[1:], exact[1:])
+    assert torch.equal(state[1:], exact[1:].bfloat16().float())
+    assert not torch.equal(state[1:], exact[1:])
 
 
 # ---- item 3: unfreezing --------------------------------------------------------------------------
@@ -219,7 +225,7 @@ def _frozen_backbone(frozen_master_weights=False):
 def test_frozen_weights_no_optimizer_holds_keep_no_master():
     model, opt, exact = _frozen_backbone()
     run = amp.default_handle()._run
-    assert len(run.model_of) == 2                       # the head's weight and bias
+    assert len(run.pairs) == 2                       # the head's weight and bias
     with amp.scale_loss(model(torch.randn(2, 64)).float().sum(), opt) as scaled:
         scaled.backward()
     opt.step()
@@ -236,7 +242,7 @@ def test_frozen_weights_no_optimizer_holds_keep_no_master():
 
 def test_frozen_master_weights_keeps_exact_fp32_copies():
     model, opt, exact = _frozen_backbone(frozen_master_weights=True)
-    assert len(amp.default_handle()._run.model_of) == 6
+    assert len(amp.default_handle()._run.pairs) == 6
     assert torch.equal(model.state_dict()["0.weight"], exact["0.weight"])
     assert "master weights: 6 torch.float32 tensors" in str(amp.report())
 

@@ -399,12 +399,13 @@ def test_delay_overflow_check_defers_the_decision_to_step():
 @pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
 def test_one_host_sync_and_one_fused_call_per_step(level, monkeypatch):
     """The unfused step: one unscale call (O2: and one copy back), one host read."""
-    from apex_lite.amp import masters as amp_masters
+    from apex_lite.amp import grad_lists, master_grads, opt_params, step_path, two_copies
     model, opt = _setup(level, opt_cls=torch.optim.SGD, fused_step=False)
     calls = []
-    real_scale = amp_masters.fused_scale
-    monkeypatch.setattr(amp_masters, "fused_scale",
-                        lambda *a: calls.append(len(a[0])) or real_scale(*a))
+    real_scale = grad_lists.fused_scale
+    for module in (master_grads, opt_params, step_path, two_copies):   # where it is called
+        monkeypatch.setattr(module, "fused_scale",
+                            lambda *a: calls.append(len(a[0])) or real_scale(*a))
     x, y = batch(0)
     opt.zero_grad()
     loss = torch.nn.functional.mse_loss(model(x).float(), y)

@@ -76,7 +76,7 @@ def _master(opt, param):
     """The fp32 tensor ``opt`` updates for the model parameter ``param`` (``param`` itself when
     it has no master)."""
     amp_opt = opt._apex_lite_amp
-    return next((m for m in amp_opt.masters() if amp_opt.model_of.get(m, m) is param), param)
+    return next((m for m in amp_opt.masters() if amp_opt.run.pairs.model_of(m) is param), param)
 
 
 def _own_weights(model):

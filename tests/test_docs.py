@@ -34,7 +34,7 @@ PUBLIC = {
                              "BN_convert_float", "prep_param_lists",
                              "model_grads_to_master_grads", "master_params_to_model_params",
                              "to_python_float", "clip_grad_norm"],
-    "apex_lite.amp.master_grads": ["PendingGrad"],
+    "apex_lite.amp.master_grads": ["LazyGrad"],
     "apex_lite.apex_compat.alias": ["install_apex_alias", "ApexAliasError"],
     "apex_lite.apex_compat.apex_c": ["flatten", "unflatten"],
 }

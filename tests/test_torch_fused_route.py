@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from amp_helpers import assert_bitwise_equal, snapshot
 from apex_lite import amp
-from apex_lite.amp.master_grads import is_pending
+from apex_lite.amp.master_grads import is_lazy
 from apex_lite.multi_tensor import _backend, _python, _torch_fused
 from apex_lite.optimizers import FusedAdagrad, FusedAdam, FusedSGD
 
@@ -330,7 +330,7 @@ def _train(name, fused_step, steps=6, inject_at=(), clip=None):
             if i in inject_at:
                 model[0].weight.grad.view(-1)[-1] = float("nan")
             if i == 0 and fused_step is not False:   # no fp32 master gradient is held
-                assert all(m.grad is None or is_pending(m.grad) for m in opt._apex_lite_amp.masters()
+                assert all(m.grad is None or is_lazy(m.grad) for m in opt._apex_lite_amp.masters()
                            if m.dtype == torch.float32 and m.dim() == 2)
         if clip == "amp":
             amp.clip_grad_norm_(opt, 0.5)

@@ -15,13 +15,15 @@ from typing import Callable, Optional
 
 import torch
 
+from .master_grads import GradState
+
 
 def first_call(amp_opt, closure: Callable) -> torch.Tensor:
     """Run ``closure`` for ``amp_opt``'s step; its loss. Raises when its backward ran outside
     ``scale_loss``."""
     with torch.enable_grad():
         loss = closure()
-    if amp_opt.foreign_backward or amp_opt.grad_state == "clean":
+    if amp_opt.foreign_backward or amp_opt.grad_state is GradState.CLEAN:
         raise RuntimeError(
             f"{amp_opt.label()}.step(closure): the closure did not run its backward inside "
             f"`with amp.scale_loss(loss, optimizer) as scaled_loss: scaled_loss.backward()`, so "

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from .. import multi_tensor
 from ..optimizers.update import local_shards
 from .casting import apply_to_floats
-from .master_grads import is_pending
+from .master_grads import is_lazy
 from .scaler import SMALLEST_LOSS_SCALE
 
 logger = logging.getLogger("apex_lite.amp")
@@ -170,7 +170,7 @@ def nonfinite_gradient_names(run, amp_optimizers, evidence=None) -> List[str]:
             # The master's gradient, or on the fused step (a pending one) the model's (still
             # scaled, which does not change whether it is finite).
             pairs = [(model_param, model_param.grad if master.grad is None
-                      or is_pending(master.grad) else master.grad)
+                      or is_lazy(master.grad) else master.grad)
                      for model_param, master in zip(group.model_params, group.masters)
                      if id(master) not in seen]
             pairs = [(p, grad) for p, grad in pairs if grad is not None]

@@ -122,7 +122,7 @@ class AmpHandle:
             for scaler in run.scalers:
                 scaler.use_device(device)
         run.record_placement()
-        run.model_writes.record()
+        run.copies.record()
         self._run = run
         if locate_nonfinite:
             run.locate_nonfinite()
@@ -221,6 +221,10 @@ class AmpHandle:
             backward.block_exited = True
             for amp_opt in amp_opts:
                 amp_opt.in_scale_loss = False
+        # O2 under torch's DDP: the masters of a DDP a forward ran inside, broadcast once (a
+        # collective every training rank reaches; after the backward, whose saved half weights
+        # must not be written before it runs: ddp.py).
+        run.ddp.broadcast_pending()
         if not backward.ran:
             # No backward through the scaled loss (`scaled_loss.backward` without the
             # parentheses, or a skipped backward): nothing to unscale; step() refuses.
@@ -237,8 +241,8 @@ class AmpHandle:
             amp_opt.missing_backward = False
             amp_opt.after_backward(stash, loss, scale, delay_unscale, check)
         # Before code between the backward and step() reads param_groups: the masters follow
-        # their parameters' requires_grad, and writes made in the forward (model_writes.py).
-        run.model_writes.sync()
+        # their parameters' requires_grad, and writes made in the forward (two_copies.py).
+        run.copies.sync("amp.scale_loss")
         if check is not None and not delay_overflow_check:
             check.resolve()
 
@@ -332,7 +336,7 @@ class AmpHandle:
         :func:`apex_lite.amp.master_params`."""
         amp_opt = getattr(optimizer, _MARK, None)
         if amp_opt is not None:
-            amp_opt.run.model_writes.sync()
+            amp_opt.run.copies.sync("amp.master_params")
             amp_opt.materialize_master_grads()
         for group in optimizer.param_groups:
             for p in group["params"]:

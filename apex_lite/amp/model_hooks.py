@@ -35,7 +35,9 @@ from typing import Dict, List
 
 import torch
 
+from . import ddp
 from .opt_levels import HALF_DTYPES
+from .pairs import FP32_ATTR, Fp32Values, fp32_truth  # noqa: F401  (old pickles' class path)
 
 
 class _BackwardWatch:
@@ -76,6 +78,29 @@ class _DtypeGuard:
         return {"run": None, "index": self.index}
 
 
+class _CopiesBeforeForward:
+    """A forward pre-hook on an O2 model: writes to either copy of its parameters made since
+    the last check reach the other before the forward computes with them (two_copies.py); the
+    writes found next are the forward's own. A forward inside a torch DistributedDataParallel
+    notes it, so that the next ``scale_loss`` broadcasts its masters (ddp.py). The run is not
+    pickled with the model."""
+
+    def __init__(self, run):
+        self.run = run
+
+    def __call__(self, module, args) -> None:
+        run = self.run
+        if run is None:
+            return
+        ddp_module = ddp.active_ddp()
+        first_in_ddp = ddp_module is not None and run.sharding is None \
+            and run.ddp.note(ddp_module)
+        run.copies.forward_started(before_broadcast=first_in_ddp)
+
+    def __getstate__(self):
+        return {"run": None}
+
+
 class _ModelZeroGrad:
     """``model.zero_grad`` after initialize (apex programs such as its DCGAN example zero the
     model, not the optimizer): also clears the O2 master gradients of those parameters and, when
@@ -95,44 +120,8 @@ class _ModelZeroGrad:
         return {"model": self.model, "run": None}
 
 
-# ---- a half parameter's fp32 values, found from the parameter itself -------------------------
-
-FP32_ATTR = "_apex_lite_fp32"
-
-
-class Fp32Values:
-    """The fp32 values a half parameter carries, kept on the parameter itself
-    (``param._apex_lite_fp32``). A tied parameter is one object under all its names, and a copy
-    of the model makes new parameters, so tying and copying both follow from where the values
-    live; the model's hooks hold none.
-
-    ``live``: O2's master, which the run's optimizer steps; it is the parameter's truth. Pickled
-    with the model (``torch.save(model)``, a spawned worker) it becomes the copy's carried
-    values, not live: the copy trusts them only while they round to its parameter.
-    ``copy.deepcopy`` of a parameter keeps no attributes (torch's ``Parameter.__deepcopy__``), so
-    a deep copy (an EMA, ``AveragedModel``) carries none."""
-
-    __slots__ = ("tensor", "live")
-
-    def __init__(self, tensor: torch.Tensor, live: bool):
-        self.tensor = tensor
-        self.live = live
-
-    def __reduce__(self):
-        return Fp32Values, (self.tensor.detach(), False)
-
-
-def fp32_truth(param: torch.Tensor) -> torch.Tensor:
-    """What a checkpoint holds for ``param``: its live master; else the fp32 values it carries,
-    where they round to it; else the parameter itself, upcast when half (exact)."""
-    values = getattr(param, FP32_ATTR, None)
-    if values is not None:
-        fp32 = values.tensor
-        if values.live or (fp32.shape == param.shape
-                           and torch.equal(fp32.to(param.dtype), param)):
-            return fp32.detach()
-    return param.detach().float() if param.dtype in HALF_DTYPES else param.detach()
-
+# ---- a half parameter's fp32 values (pairs.py), found from the parameter itself ------------
+# (Fp32Values and fp32_truth are importable here, where models pickled before pairs.py find them.)
 
 class _MastersFollowModelLoads:
     """Keep the fp32 values a parameter carries (O2's masters; a pickled copy's carried values)
@@ -141,14 +130,21 @@ class _MastersFollowModelLoads:
     ``named_parameters`` order that the state holds. Otherwise an incoming half value replaces
     them only when it differs from their rounding (so loading the half weights a run saved keeps
     the masters that ``amp.load_state_dict`` restored, in either order). The values are found
-    from the parameters at each load and the hooks hold nothing, so a copy of the model (which
-    copies its hooks) follows its own parameters. A module-level class with bound-method hooks,
-    so that the model still pickles (one pickled before held ``pairs``, now unused)."""
+    from the parameters at each load, so a copy of the model (which copies its hooks) follows
+    its own parameters; a live master is written through its run (two_copies.py), which the
+    hooks hold weakly and drop when pickled, so that the model still pickles."""
 
-    def __init__(self):
+    def __init__(self, run=None):
         self.incoming: Dict[int, torch.Tensor] = {}
+        self.run = None if run is None else weakref.ref(run)
+
+    def __getstate__(self):
+        return {"incoming": {}, "run": None}
 
     def capture(self, module, state_dict, prefix, *args):
+        run = None if getattr(self, "run", None) is None else self.run()
+        if run is not None:   # writes made before the load reach the other copy first
+            run.copies.sync("model.load_state_dict()")
         self.incoming.clear()
         for name, param in module.named_parameters(remove_duplicate=False):
             if getattr(param, FP32_ATTR, None) is None or id(param) in self.incoming:
@@ -159,17 +155,27 @@ class _MastersFollowModelLoads:
                 self.incoming[id(param)] = value
 
     def apply(self, module, incompatible_keys):
+        run = None if getattr(self, "run", None) is None else self.run()
+        loads = []
         with torch.no_grad():
             for param in module.parameters():
                 values = getattr(param, FP32_ATTR, None)
                 if values is None:
                     continue
                 value = self.incoming.get(id(param))
-                if value is not None:
+                if value is None and torch.equal(values.tensor.to(param.dtype), param):
+                    continue
+                if value is None:
+                    value = param.float()   # a half value that differs from their rounding
+                if values.live and run is not None:
+                    loads.append((values, value))
+                else:
                     values.tensor.copy_(value)
                     param.copy_(values.tensor)   # torch wrote the last name's value
-                elif not torch.equal(values.tensor.to(param.dtype), param):
-                    values.tensor.copy_(param)
+        if loads:
+            run.copies.load(loads)
+        elif run is not None:
+            run.copies.record()   # torch's own copy into the half parameters
         self.incoming.clear()
 
 
@@ -192,7 +198,7 @@ class _Fp32StateDict:
     def __call__(self, module, state_dict, prefix, local_metadata) -> None:
         run = None if getattr(self, "run", None) is None else self.run()
         if run is not None:
-            run.model_writes.sync(compare_all=True)
+            run.copies.sync("model.state_dict()", compare_all=True)
         truths: Dict[int, torch.Tensor] = {}
         for name, param in module.named_parameters(remove_duplicate=False):
             key = prefix + name
@@ -212,9 +218,8 @@ def hang_on_model(model: torch.nn.Module, run, index: int, cast_to_half: bool) -
     its cast and its masters were made; each O2 master on its half parameter (``Fp32Values``)."""
     if cast_to_half:
         if run.properties.master_weights:
-            for _, model_param, master in run.master_pairs[index]:
-                setattr(model_param, FP32_ATTR, Fp32Values(master, live=True))
-            follower = _MastersFollowModelLoads()
+            run.pairs.hang_on_parameters(index)
+            follower = _MastersFollowModelLoads(run)
             model.register_load_state_dict_pre_hook(follower.capture)
             model.register_load_state_dict_post_hook(follower.apply)
         model.register_state_dict_post_hook(_Fp32StateDict(run))
@@ -251,13 +256,13 @@ class BackwardWatches:
 
     def __init__(self, amp_opt):
         self._watch = _ForeignBackward(amp_opt)
-        self._model_of = amp_opt.model_of
+        self._pairs = amp_opt.run.pairs
         self._hooks: List = []
 
     def watch(self, masters: List[torch.Tensor]) -> None:
         """Watch the model parameters behind ``masters`` (those that take gradients)."""
         for master in masters:
-            model_param = self._model_of.get(master, master)
+            model_param = self._pairs.model_of(master)
             if model_param.requires_grad:
                 self._hooks.append(model_param.register_post_accumulate_grad_hook(self._watch))
 

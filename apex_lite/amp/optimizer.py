@@ -47,16 +47,18 @@ from typing import Dict, List, Optional
 
 import torch
 
-from . import closures, fsdp_norms, master_grads
+from . import closures, fsdp_norms
 from .grad_edits import HalfGradEdits
-from .masters import MasterWeights, _DeviceGroup
+from .master_grads import GradState, is_lazy
 from .model_hooks import BackwardWatches
+from .opt_params import OptimizerParams, _DeviceGroup
 from .overflow import OverflowCheck
 # AMP_STATE_KEY is also importable here, where it was defined before saved_state.py.
 from .saved_state import AMP_STATE_KEY, OptimizerAmpState  # noqa: F401
 from .scaler import BackwardScale
 
-CLEAN, SCALED, UNSCALED, CHECKED = "clean", "scaled", "unscaled", "checked"
+CLEAN, SCALED, UNSCALED, CHECKED = (GradState.CLEAN, GradState.SCALED, GradState.UNSCALED,
+                                    GradState.CHECKED)
 
 # The attribute that marks what ``initialize`` took over: on an optimizer, its ``AmpOptimizer``
 # (``optimizer._apex_lite_amp``); on a model, the opt level.
@@ -65,12 +67,9 @@ MARK = "_apex_lite_amp"
 class AmpOptimizer:
     """The amp state of one optimizer, reachable as ``optimizer._apex_lite_amp``."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, run, model_of: Dict[torch.Tensor,
-                 torch.Tensor]):
+    def __init__(self, optimizer: torch.optim.Optimizer, run):
         self.optimizer = optimizer
         self.run = run
-        # master -> the model parameter whose .grad feeds it (itself when not cast).
-        self.model_of = model_of
         self.grad_state = CLEAN
         # The scale of SCALED or CHECKED gradients, and the losses behind SCALED ones.
         self.pending: Optional[BackwardScale] = None
@@ -91,7 +90,7 @@ class AmpOptimizer:
         # The amp state carried in the optimizer's own state_dict() (saved_state.py).
         self.saved_state = OptimizerAmpState(self)
         # The parameters per device, O2's master weights and gradients.
-        self.weights = MasterWeights(optimizer, model_of)
+        self.weights = OptimizerParams(optimizer, run.pairs, self.materialize_master_grads)
         # How step() applies the update: UnfusedStep or FusedStep (step_path.py), set by
         # initialize.
         self.path = None
@@ -114,7 +113,7 @@ class AmpOptimizer:
         self.watches.watch([p for group in opt.param_groups for p in group["params"]])
         # Gradients an earlier initialize's fused step left pending belong to its run.
         for master in self.masters():
-            if master_grads.is_pending(master.grad):
+            if is_lazy(master.grad):
                 master.grad = None
 
     # ---- the parameters (masters.py) ----------------------------------------------------------
@@ -143,7 +142,7 @@ class AmpOptimizer:
         if self.grad_state == CHECKED:
             if any(p.grad is not None for group in self.groups().values()
                    for p in group.model_params):
-                self.path.materialize(self)
+                self.materialize_master_grads()
             else:
                 self._reset(set_to_none=True)   # all cleared by hand since: as after zero_grad
         if self.grad_state == SCALED and self.pending.token != scale.token:
@@ -184,19 +183,20 @@ class AmpOptimizer:
             self.stepped_since_backward = False
             return
         try:
-            self.path.end_backward(self, stash, scale, check)
+            self.grad_state = self.path.end_backward(self, stash, scale, check)
         except (ValueError, RuntimeError):
             # The kernels refuse tensors off the flag's device: a model (partly) moved after
             # initialize. Name it; anything else is re-raised as it was.
             self.raise_moved("amp.scale_loss")
             raise
+        self.pending = scale if self.grad_state == CHECKED else None
         self.pending_losses = []
         self.checks.append(check)
         self.stepped_since_backward = False
         self.grad_edits.record(self)
 
     def unscale(self, stash: Dict[int, torch.Tensor], scale: BackwardScale,
-                check: OverflowCheck) -> None:
+                check: OverflowCheck) -> GradState:
         """Unscale this backward's gradients into true values (under O2 into the masters' fp32
         gradients), adding what the stash and earlier backwards hold: UNSCALED."""
         # When an earlier backward of this step may have left inf/NaN in the gradients this one
@@ -206,11 +206,10 @@ class AmpOptimizer:
         # step() the earlier checks are gone: gradients left uncleared past a skipped step are
         # charged to the next backward, as torch's GradScaler, which checks what it unscales.)
         history_clean = all(earlier.known_clean(self) for earlier in self.checks)
-        self.weights.unscale(stash, scale.inv, self.grad_state == UNSCALED, history_clean,
+        self.weights.unscale(stash, scale.inv, history_clean,
                              lambda device: check.found_inf(self, device),
                              lambda device: check.carried_inf(self, device))
-        self.grad_state = UNSCALED
-        self.pending = None
+        return UNSCALED
 
     # ---- the patched methods --------------------------------------------------------------
     def label(self) -> str:
@@ -267,7 +266,7 @@ class AmpOptimizer:
             self._refuse_gradients_amp_did_not_unscale()
         self.grad_edits.refuse(self, caller)
         self._drop_cleared()
-        self.run.model_writes.sync()
+        self.run.copies.sync(caller)
         checks = self.checks
         args = () if closure is None else (closure,)
         try:
@@ -293,7 +292,7 @@ class AmpOptimizer:
         # Tell an LR scheduler this step counted (torch's own flag), also when it is skipped, so
         # that skipped first steps do not make it warn that lr_scheduler.step() came first.
         self.optimizer._opt_called = True
-        self.run.model_writes.record()   # the half model as amp's own writes left it
+        self.run.copies.record()   # both copies as amp's own writes left them
         return closure_loss if closure is not None and self.path.fused else result
 
     def _with_hooks(self, apply, args: tuple):
@@ -340,7 +339,7 @@ class AmpOptimizer:
 
     def copy_masters_to_model(self) -> None:
         """O2: round the updated fp32 masters into the half model."""
-        self.weights.copy_to_model()
+        self.run.copies.round_into_model(self.weights.pairs_of())
 
     def _reset(self, set_to_none: bool) -> None:
         """Forget the gradients' bookkeeping, as zero_grad does. A decision deferred by
@@ -358,9 +357,11 @@ class AmpOptimizer:
         self.path.forget()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        # The step itself is not taken, as zero_grad before step() means in plain torch.
-        self._reset(set_to_none)
+        # The step itself is not taken, as zero_grad before step() means in plain torch. The
+        # masters' gradients first: a lazy one that user code holds is made from the half
+        # gradient and the clip coefficient still there (master_grads.py).
         self.path.zero_grad(self, set_to_none, self._original_zero_grad)
+        self._reset(set_to_none)
         self.weights.clear_model_grads(set_to_none)
 
     def model_zeroed(self, model_param_ids, set_to_none: bool) -> None:
@@ -381,6 +382,8 @@ class AmpOptimizer:
             self.grad_edits.record(self)   # the zeros written are amp's, not an edit
 
     def add_param_group(self, param_group: dict) -> None:
+        # The lazy gradients of the groups being rebuilt are made first (master_grads.py).
+        self.materialize_master_grads()
         group = dict(param_group)
         params = group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
@@ -393,10 +396,12 @@ class AmpOptimizer:
 
     def materialize_master_grads(self) -> None:
         """Give the masters true fp32 gradients (``amp.master_params``: apex's way to clip them;
-        the first use of a fused step's pending gradient, master_grads.py): on the fused step
-        this unscales CHECKED gradients into them (UNSCALED) and the step reads those; after the
-        step, they are the gradients it applied, as the unfused step leaves them."""
-        self.path.materialize(self)
+        the first use of a fused step's lazy gradient, master_grads.py): on the fused step this
+        makes CHECKED gradients into them (UNSCALED) and the step reads those; after the step,
+        they are the gradients it applied, as the unfused step leaves them."""
+        self.grad_state = self.path.materialize(self)
+        if self.grad_state != CHECKED:
+            self.pending = None
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the true gradients the next step() applies to ``max_norm``; their total norm."""

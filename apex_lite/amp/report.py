@@ -9,7 +9,7 @@ import torch
 
 from .. import multi_tensor
 from ..optimizers.update import local_shards
-from .master_grads import PendingGrad
+from .master_grads import LazyGrad
 
 TENSOR_CORE_MULTIPLE = 8
 
@@ -108,17 +108,23 @@ def _dimension_lines(models: Sequence[torch.nn.Module]) -> List[str]:
     return lines
 
 
-def _held_grads(grads, buffers) -> list:
-    """The gradients ``grads`` (the masters') hold in memory, and the buffers of master
-    gradients (each a list of views of one tensor) that none of them is a view of: a buffer the
-    fused step keeps after a step that used it. A pending gradient holds nothing."""
-    held = [g for g in grads if g is not None and type(g) is not PendingGrad]
-    bases = {id(g._base) for g in held if g._base is not None}
-    for views in buffers:
-        base = views[0]._base if views else None
-        if base is not None and id(base) not in bases:
-            held.append(base)
+def _held_grads(grads, values) -> list:
+    """The gradients ``grads`` (the masters') hold in memory, and the tensors amp keeps for made
+    master gradients that none of them is: those the fused step keeps after a step that made
+    them. A lazy gradient holds nothing (a made one, what it was made into)."""
+    held = [resolve_made(g) for g in grads if g is not None]
+    held = [g for g in held if g is not None]
+    ids = {id(g) for g in held}
+    held.extend(v for v in values if v is not None and id(v) not in ids)
     return held
+
+
+def resolve_made(grad):
+    """A master's gradient as held in memory: a made lazy gradient's value, None for a lazy one
+    not made."""
+    if type(grad) is LazyGrad:
+        return grad._value
+    return grad
 
 
 def build_report(run, models: Sequence[torch.nn.Module],
@@ -127,19 +133,19 @@ def build_report(run, models: Sequence[torch.nn.Module],
     # Every fp32 copy amp holds for these models: the masters of their parameters (those of
     # frozen weights too, with frozen_master_weights=True), and any optimizer parameter that is
     # a master.
-    masters = [master for m in models if m in run.models
-               for _, _, master in run.master_pairs[run.models.index(m)]]
+    masters = [pair.master for m in models if m in run.models
+               for pair in run.pairs.per_model[run.models.index(m)]]
     masters += [p for opt in optimizers for g in opt.param_groups for p in g["params"]
-                if p in run.model_of]
-    # The masters' gradients as held (a pending one holds nothing; reading it would make it),
-    # and the buffer the fused step makes them in, while it is held.
-    buffers = []
+                if run.pairs.is_master(p)]
+    # The masters' gradients as held (a lazy one holds nothing; reading it would make it), and
+    # the tensors amp keeps for made ones while it keeps them.
+    values = []
     for opt in optimizers:
         amp_opt = getattr(opt, "_apex_lite_amp", None)
         if amp_opt is not None:
-            buffers.extend(group._master_grad_buffers for group in amp_opt.groups().values()
-                           if group._master_grad_buffers)
-    grads = [p.grad for p in params] + _held_grads([p.grad for p in masters], buffers)
+            values.extend(v for group in amp_opt.groups().values() if group.grads is not None
+                          for v in group.grads.values)
+    grads = [p.grad for p in params] + _held_grads([p.grad for p in masters], values)
     state = [v for opt in optimizers for per_param in opt.state.values()
              for v in per_param.values() if isinstance(v, torch.Tensor)]
     tensors = {"parameters": _tally(params), "gradients": _tally(grads),

@@ -12,9 +12,11 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from . import casting, ddp, diagnostics, fsdp, init_checks, masters, model_hooks, step_path
+from . import casting, ddp, diagnostics, fsdp, init_checks, model_hooks, step_path
 from .init_checks import describe as _describe
-from .model_writes import ModelWrites
+from .opt_params import MOVED_FIX
+from .pairs import Pairs
+from .two_copies import TwoCopies
 from .opt_levels import HALF_DTYPES, Properties
 from .optimizer import MARK, AmpOptimizer
 from .overflow import DecisionLog, FlagPool
@@ -56,15 +58,12 @@ class _Run:
         self.kept_fp32: List[List[str]] = [[] for _ in models]
         self._param_names: Optional[Dict[int, str]] = None
         self.param_ids = {id(p) for m in models for p in m.parameters()}
-        # O2: per model, (qualified name, half model param, fp32 master) in named_parameters order.
-        self.master_pairs: List[List[tuple]] = [[] for _ in models]
-        self.master_of: Dict[torch.Tensor, torch.Tensor] = {}
-        self.model_of: Dict[torch.Tensor, torch.Tensor] = {}
-        # O2: the cast parameters that no optimizer held at initialize, which have no master
-        # yet: id -> (model index, qualified name, parameter) (masters.make_masters).
-        self.unmastered: Dict[int, tuple] = {}
-        # O2: writes to the half model that amp did not make, taken into the masters.
-        self.model_writes = ModelWrites(self)
+        # O2: each cast parameter and its fp32 master (pairs.py), and the rule that keeps the
+        # two copies equal (two_copies.py).
+        self.pairs = Pairs(models)
+        self.copies = TwoCopies(self.pairs)
+        # O2: the torch DDPs the models ran inside, whose masters are still to be broadcast.
+        self.ddp = ddp.DDPBroadcasts()
         self.optimizers: List[AmpOptimizer] = []
         # The FSDP2 units of the models (fsdp.Sharding), or None when none is sharded.
         self.sharding: Optional[fsdp.Sharding] = None
@@ -115,7 +114,7 @@ class _Run:
                     f"or reassigning parameters replaces them)")
             raise RuntimeError(
                 f"{caller}: {label} was moved after amp.initialize: {what}. The optimizer and "
-                f"amp's master weights still hold the old tensors. {masters.MOVED_FIX}")
+                f"amp's master weights still hold the old tensors. {MOVED_FIX}")
         self.check_dtypes(caller)
 
     def model_label(self, index: int) -> str:
@@ -162,8 +161,8 @@ class _Run:
                 prefix = f"model {i}: " if len(self.models) > 1 else ""
                 for name, p in model.named_parameters():
                     names.setdefault(id(p), prefix + name)
-            for master, model_param in self.model_of.items():
-                names[id(master)] = names.get(id(model_param), "?")
+            for pair in self.pairs:
+                names[id(pair.master)] = names.get(id(pair.model), "?")
             self._param_names = names
         return self._param_names.get(id(tensor), f"<unnamed {_describe(tensor)}>")
 
@@ -176,36 +175,24 @@ class _Run:
     def foreign_param(self, params) -> Optional[torch.Tensor]:
         """The first of ``params`` that is neither a model parameter nor a master, if any."""
         for p in params:
-            if id(p) not in self.param_ids and p not in self.model_of:
+            if id(p) not in self.param_ids and not self.pairs.is_master(p):
                 return p
         return None
 
     def masters_for(self, params: Sequence[torch.Tensor], caller: str) -> List[torch.Tensor]:
         """``params`` with each cast model parameter replaced by its fp32 master; one that has
-        none yet (no optimizer held it at initialize) gets it now (``add_master``)."""
+        none yet (no optimizer held it at initialize) gets it now (``Pairs.add``)."""
         foreign = self.foreign_param(params)
         if foreign is not None:
             raise ValueError(f"{caller} got a parameter ({_describe(foreign)}) that is not a "
                              f"parameter of the model(s) passed to amp.initialize. Pass every "
                              f"model whose parameters the optimizer updates, e.g. "
                              f"amp.initialize([model_a, model_b], optimizer, ...).")
-        return [self.master_of[p] if p in self.master_of else
-                self.add_master(p) if id(p) in self.unmastered else p for p in params]
-
-    def add_master(self, param: torch.Tensor) -> torch.Tensor:
-        """O2: the master of a cast parameter that joins an optimizer after initialize, from the
-        best value amp has: fp32 values the parameter carries where they round to it (a
-        pickled copy's), else the upcast of its half value (exact)."""
-        index, name, _ = self.unmastered.pop(id(param))
-        with torch.inference_mode(False), torch.no_grad():
-            master = model_hooks.fp32_truth(param).clone()
-        master.requires_grad_(param.requires_grad)
-        self.master_of[param] = master
-        self.model_of[master] = param
-        self.master_pairs[index].append((name, param, master))
-        setattr(param, model_hooks.FP32_ATTR, model_hooks.Fp32Values(master, live=True))
-        self._param_names = None
-        return master
+        generation = self.pairs.generation
+        masters = self.pairs.masters_for(params)
+        if self.pairs.generation != generation:
+            self._param_names = None
+        return masters
 
 
 def prepare_model(run: _Run, index: int, model: torch.nn.Module, keep_fp32_modules,
@@ -221,7 +208,7 @@ def prepare_model(run: _Run, index: int, model: torch.nn.Module, keep_fp32_modul
         kept_params = {id(p) for _, m in kept for p in m.parameters()}
         if props.master_weights:
             # Masters are the original fp32 values, before the cast rounds them.
-            masters.make_masters(run, index, model, kept_params, held)
+            make_masters(run, index, model, kept_params, held)
         if run.sharding is not None:
             run.sharding.cast_model(model, cast_type, kept,
                                     cast_shards=not props.master_weights)
@@ -241,8 +228,25 @@ def prepare_model(run: _Run, index: int, model: torch.nn.Module, keep_fp32_modul
     model_hooks.hang_on_model(model, run, index,
                               cast_to_half=cast_type in HALF_DTYPES)
     if cast_type in HALF_DTYPES and props.master_weights:
-        model.register_forward_pre_hook(ddp.FollowDDPBroadcast(run))
+        model.register_forward_pre_hook(model_hooks._CopiesBeforeForward(run))
     setattr(model, MARK, props.opt_level)
+
+
+def make_masters(run: _Run, index: int, model: torch.nn.Module, kept_params: set,
+                 held: Optional[set]) -> None:
+    """O2, before the cast rounds them: the floating-point parameters of model ``index`` that an
+    optimizer holds (ids in ``held``; every one when ``held`` is None), but those of
+    ``kept_params`` (kept fp32), become pairs with their fp32 values as masters (``Pairs.make``).
+    The others are cast without one (apex's rule: a frozen weight that no optimizer steps costs
+    its half bytes); the registry remembers them, so that one that joins an optimizer later
+    (``add_param_group``) gets its master then."""
+    for name, p in model.named_parameters():
+        # FSDP2's sharded fp32 parameters are their own masters (fsdp.py).
+        if p.is_floating_point() and id(p) not in kept_params and not fsdp.is_sharded(p):
+            if held is not None and id(p) not in held and run.pairs.of_model(p) is None:
+                run.pairs.leave_unmastered(index, name, p)
+            else:
+                run.pairs.make(index, name, p)
 
 
 def take_over_optimizer(run: _Run, opt: torch.optim.Optimizer, unfused_why: str) -> None:
@@ -255,12 +259,12 @@ def take_over_optimizer(run: _Run, opt: torch.optim.Optimizer, unfused_why: str)
             group["params"][:] = masters
         else:
             group["params"] = masters
-    for model_param, master in run.master_of.items():
-        if model_param in opt.state:
-            opt.state[master] = opt.state.pop(model_param)
-    amp_opt = AmpOptimizer(opt, run, run.model_of)
+    for pair in run.pairs:
+        if pair.model in opt.state:
+            opt.state[pair.master] = opt.state.pop(pair.model)
+    amp_opt = AmpOptimizer(opt, run)
     amp_opt.path = step_path.UnfusedStep(unfused_why) if unfused_why else \
-        step_path.FusedStep(opt, run.model_of)
+        step_path.FusedStep(opt, run.pairs)
     amp_opt.install()
     # apex's mark of an initialised optimizer, which engines that call initialize lazily
     # test with hasattr(optimizer, "_amp_stash"); what it holds is apex_lite's own state.

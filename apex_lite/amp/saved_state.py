@@ -36,10 +36,10 @@ AMP_STATE_KEY = "apex_lite_amp"
 def amp_state_dict(run) -> dict:
     """What ``amp.state_dict()`` returns for ``run``: ``scaler_state`` and the O2 masters (with
     the writes to the half model that amp did not make taken in first)."""
-    run.model_writes.sync(compare_all=True)
+    run.copies.sync("amp.state_dict()", compare_all=True)
     state = scaler_state(run)
-    state[STATE_KEY]["master_weights"] = [[master.detach().clone() for _, _, master in pairs]
-                                          for pairs in run.master_pairs]
+    state[STATE_KEY]["master_weights"] = [[pair.master.detach().clone() for pair in pairs]
+                                          for pairs in run.pairs.per_model]
     return state
 
 
@@ -147,11 +147,9 @@ def apply_state(run, state_dict: dict, accepted: Accepted) -> None:
             scaler.load_state(state_dict[key],
                               None if extra is None else extra["loss_scalers"][scaler.loss_id])
     if accepted.masters and extra is not None and "master_weights" in extra:
-        with torch.no_grad():
-            for pairs, saved in zip(run.master_pairs, extra["master_weights"]):
-                for (_, model_param, master), value in zip(pairs, saved):
-                    master.copy_(value)
-                    model_param.copy_(master)
+        run.copies.load([(pair, value) for pairs, saved in zip(run.pairs.per_model,
+                                                              extra["master_weights"])
+                         for pair, value in zip(pairs, saved)])
 
 
 def _check_extra(run, extra, with_masters: bool) -> None:
@@ -183,16 +181,18 @@ def _check_extra(run, extra, with_masters: bool) -> None:
     masters = extra["master_weights"]
     if isinstance(masters, list) and extra["opt_level"] != run.properties.opt_level:
         return   # another level's masters are left out (Accepted)
-    if not isinstance(masters, list) or len(masters) != len(run.master_pairs):
+    per_model = run.pairs.per_model
+    if not isinstance(masters, list) or len(masters) != len(per_model):
         raise ValueError(f"the amp state holds master weights for "
                          f"{len(masters) if isinstance(masters, list) else '?'} model(s) but "
-                         f"this run has {len(run.master_pairs)}")
-    for m, (pairs, saved) in enumerate(zip(run.master_pairs, masters)):
+                         f"this run has {len(per_model)}")
+    for m, (pairs, saved) in enumerate(zip(per_model, masters)):
         if not isinstance(saved, list) or len(saved) != len(pairs):
             held = len(saved) if isinstance(saved, list) else "?"
             raise ValueError(f"the amp state holds {held} master weights for model {m}, "
                              f"which has {len(pairs)}")
-        for (name, _, master), value in zip(pairs, saved):
+        for pair, value in zip(pairs, saved):
+            name, master = pair.name, pair.master
             if not isinstance(value, torch.Tensor) or value.shape != master.shape \
                     or value.dtype != torch.float32 or value.is_meta \
                     or value.layout != torch.strided:

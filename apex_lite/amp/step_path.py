@@ -42,10 +42,13 @@ from ..optimizers import fusable
 from ..optimizers.fused_lamb import LambUpdate, global_grad_norm
 from ..optimizers.update import FusedUpdate, unit_scalars
 from ..optimizers.watched_state import watch_state
-from . import fsdp_norms, master_grads
-from .masters import flag_nonfinite, fused_scale, present_grads
-from .optimizer import CHECKED, CLEAN, SCALED, UNSCALED
+from . import fsdp_norms
+from .grad_lists import flag_nonfinite, fused_scale, present_grads
+from .master_grads import GradState, resolve
 from .scaler import BackwardScale
+
+CLEAN, SCALED, UNSCALED, CHECKED = (GradState.CLEAN, GradState.SCALED, GradState.UNSCALED,
+                                    GradState.CHECKED)
 
 
 def choose(optimizer: torch.optim.Optimizer, index: int, properties,
@@ -116,8 +119,8 @@ class UnfusedStep:
     def describe(self) -> str:
         return f"unfused step ({self.why})"
 
-    def end_backward(self, amp_opt, stash, scale: BackwardScale, check) -> None:
-        amp_opt.unscale(stash, scale, check)
+    def end_backward(self, amp_opt, stash, scale: BackwardScale, check) -> GradState:
+        return amp_opt.unscale(stash, scale, check)
 
     def apply(self, amp_opt, found_inf: Optional[torch.Tensor], closure=None):
         """The optimizer's own step (which fires torch's step hooks), with ``closure`` when
@@ -126,8 +129,8 @@ class UnfusedStep:
         amp_opt.copy_masters_to_model()
         return result
 
-    def materialize(self, amp_opt) -> None:
-        pass   # the masters' gradients are true values already
+    def materialize(self, amp_opt) -> GradState:
+        return amp_opt.grad_state   # the masters' gradients are true values already
 
     def clip_grad_norm_(self, amp_opt, max_norm: float, norm_type: float) -> torch.Tensor:
         return _clip_master_grads(amp_opt, max_norm, norm_type)
@@ -173,19 +176,15 @@ class FusedStep:
 
     fused = True
 
-    def __init__(self, optimizer: torch.optim.Optimizer,
-                 model_of: Dict[torch.Tensor, torch.Tensor]):
+    def __init__(self, optimizer: torch.optim.Optimizer, pairs):
         self.optimizer = optimizer
-        self.model_of = model_of
+        self.pairs = pairs
         self.update_class = fusable.update_class(optimizer)
         # amp.clip_grad_norm_ before this step: (coefficient, non-finite norm) device tensors.
         self.clip: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
         self._buckets: Optional[List[_Bucket]] = None
         self._built_for: Tuple[int, int] = (0, 0)
         self._scalars: Dict[Tuple[torch.device, str], torch.Tensor] = {}
-        # Whether something used this step's pending gradients (master_grads.py): the step
-        # then keeps the buffer they were made in.
-        self.made = False
 
     def describe(self) -> str:
         """"fused step", and where other kernels than the native ones run it, which."""
@@ -196,16 +195,17 @@ class FusedStep:
         return "fused step" + (f" ({'; '.join(others)})" if others else "")
 
     # ---- the end of scale_loss ----------------------------------------------------------------
-    def end_backward(self, amp_opt, stash, scale: BackwardScale, check) -> None:
+    def end_backward(self, amp_opt, stash, scale: BackwardScale, check) -> GradState:
         """The half gradients are checked where they stand (the step's kernel unscales them);
         those of parameters that are their own masters (kept fp32, FSDP2's shards) are unscaled
         in place, checked on the way: the model's and the optimizer's, they hold their true
         gradient after the block, as on the unfused step. Each O2 master's ``.grad`` becomes its
-        pending gradient (master_grads.py), made when something uses it."""
+        lazy gradient (master_grads.py), made when something uses it: CHECKED. A master that
+        holds a gradient already has the new one added (all are made then: UNSCALED)."""
         if amp_opt.grad_state not in (CLEAN, SCALED):
-            amp_opt.unscale(stash, scale, check)   # adding to materialised fp32 gradients
-            return
+            return amp_opt.unscale(stash, scale, check)   # adding to made fp32 gradients
         groups = amp_opt.groups()
+        lazy = True
         for device, group in groups.items():
             found_inf = check.found_inf(amp_opt, device)
             # Each list's per-tensor flags are kept, so that the diagnostics name the parameter
@@ -217,22 +217,29 @@ class FusedStep:
                     check.keep_flags(amp_opt, with_grads, flag_nonfinite(grads, found_inf))
                     if params is group.own_masters:
                         fused_scale(grads, grads, scale.inv, found_inf)
-        master_grads.pend(amp_opt, groups)
-        amp_opt.grad_state = CHECKED
-        amp_opt.pending = scale
+            if group.grads is not None:
+                lazy = group.grads.give(scale.inv, check.carried_inf(amp_opt, device)) and lazy
+        if not lazy:   # the step reads every master's gradient then
+            for group in groups.values():
+                if group.grads is not None:
+                    group.grads.make(group.grads.factor)
+            return UNSCALED
+        return CHECKED
 
     # ---- step() -----------------------------------------------------------------------------
     def apply(self, amp_opt, found_inf: Optional[torch.Tensor]) -> None:
         """The update, one kernel call per bucket. ``found_inf``: the device decision (1: skip),
         or None when the host decided to step. Reads CHECKED gradients (scaled) from the model
-        parameters, UNSCALED ones from the masters; CLEAN: the zeros zero_grad(set_to_none=False)
-        left, which torch's optimizers step on too. A master's ``.grad`` that user code replaced
-        since ``scale_loss`` (None, another tensor) makes the others real first, and the step
-        applies what each master holds, as the unfused step would."""
+        parameters; otherwise what each master holds (UNSCALED: made, true gradients; CLEAN:
+        gradients set by hand, or the zeros zero_grad(set_to_none=False) left, which torch's
+        optimizers step on too). A master's ``.grad`` that user code replaced since
+        ``scale_loss`` (None, another tensor) makes the others real first, and the step applies
+        what each master holds, as the unfused step would."""
         groups = amp_opt.groups()
-        if amp_opt.grad_state == CHECKED and master_grads.written(groups):
-            self.materialize(amp_opt)
-        from_masters = amp_opt.grad_state == UNSCALED
+        if amp_opt.grad_state == CHECKED and any(
+                group.grads is not None and group.grads.written() for group in groups.values()):
+            amp_opt.materialize_master_grads()
+        from_masters = amp_opt.grad_state != CHECKED
         inv = amp_opt.pending.inv if amp_opt.grad_state == CHECKED else 1.0
         # Kept after the step: the gradients a read after it makes are the ones applied.
         clip = self.clip
@@ -251,7 +258,7 @@ class FusedStep:
                 own_inv = clip[0].to(device)
                 flag = torch.maximum(flag, clip[1].to(device))
             scalars[device] = (half_inv, own_inv, flag)
-        grads = {id(b): [master_grads.resolve(p.grad) for p in b.masters] if from_masters
+        grads = {id(b): [resolve(p.grad) for p in b.masters] if from_masters
                  else None for b in buckets}
         grad_norms = None
         if self.update_class is LambUpdate:   # one norm of all true gradients, every group
@@ -263,11 +270,10 @@ class FusedStep:
                 (grad_norms.get(bucket.device, torch.zeros(1, device=bucket.device)),)
             bucket.update(state, half_inv if bucket.with_half else own_inv, flag, hyper, *extra,
                           grads=grads[id(bucket)])
-        # The fp32 buffer of the masters' gradients goes back after a step that used none.
-        if not self.made:
-            for group in groups.values():
-                group.release_master_grad_buffers()
-        self.made = False
+        # The made values of a step whose gradients nothing made go back.
+        for group in groups.values():
+            if group.grads is not None:
+                group.grads.after_step()
 
     def _scalar(self, device: torch.device, name: str, value) -> torch.Tensor:
         """``value`` as a 1-element fp32 tensor on ``device``: a device tensor as it is, a host
@@ -292,7 +298,7 @@ class FusedStep:
                     if id(master) in seen:
                         continue
                     seen.add(id(master))
-                    source = self.model_of.get(master, master)
+                    source = self.pairs.model_of(master)
                     key = (index, master.device, source is not master)
                     bucket = buckets.get(key)
                     if bucket is None:
@@ -307,44 +313,34 @@ class FusedStep:
         return self._buckets
 
     # ---- true gradients on request -----------------------------------------------------------
-    def materialize(self, amp_opt) -> None:
-        """CHECKED -> UNSCALED: unscale the pending gradients (already checked) into the masters'
-        fp32 gradients, an O2 master's in a reused buffer, an fp32 parameter's in place; a clip
+    def materialize(self, amp_opt) -> GradState:
+        """CHECKED -> UNSCALED: make the lazy gradients (already checked) into the masters' fp32
+        gradients (master_grads.py), and unscale an fp32 parameter's in place; a clip
         coefficient of ``clip_grad_norm_`` is applied with it. Before or after the step (the
-        gradients a step applied, as the unfused step leaves them). A master whose ``.grad`` user
-        code replaced keeps what it was given; one whose half gradient was cleared gets None.
-        Never makes an inference tensor, also when first used under ``torch.inference_mode``."""
+        gradients a step applied, as the unfused step leaves them). A master whose ``.grad``
+        user code replaced keeps what it was given; one whose half gradient was cleared gets
+        None. Never makes an inference tensor, also when first used under
+        ``torch.inference_mode``."""
         if amp_opt.grad_state != CHECKED:
-            return
-        inv = amp_opt.pending.inv
+            return amp_opt.grad_state
         clip, self.clip = self.clip, None
-        with torch.no_grad():   # (the buffer is never made an inference tensor: masters.py)
+        with torch.no_grad():
             for device, group in amp_opt.groups().items():
-                factor = inv if clip is None else \
-                    (torch.as_tensor(inv, dtype=torch.float32, device=device).reshape(1)
-                     * clip[0].to(device))
-                sink = group.scratch_flag()
                 own = present_grads(group.own_masters)
                 if own and clip is not None:   # true since the block's end: only the clip
-                    fused_scale(own, own, clip[0].to(device), sink)
-                if not group.half_masters or group.pending is None:
-                    continue
-                halves, outs = [], []
-                for i, (model_param, master, buffer) in enumerate(zip(
-                        group.half_models, group.half_masters, group.master_grad_buffers())):
-                    if master.grad is not group.pending[i]:
-                        continue   # what user code gave it stays
-                    if model_param.grad is None:
-                        master.grad = None   # its half gradient was cleared since
-                        continue
-                    master_grads.made(group, i, buffer)
-                    halves.append(model_param.grad)
-                    outs.append(buffer)
-                if halves:
-                    fused_scale(halves, outs, factor, sink)
-        amp_opt.grad_state = UNSCALED
-        amp_opt.pending = None
-        self.made = True
+                    fused_scale(own, own, clip[0].to(device), group.scratch_flag())
+                if group.grads is not None:
+                    group.grads.make(self._factor(group.grads.factor, clip, device))
+        return UNSCALED
+
+    @staticmethod
+    def _factor(inv, clip, device: torch.device):
+        """The lazy gradients' inverse scale, times the clip coefficient of
+        ``clip_grad_norm_`` when there is one (a device tensor then)."""
+        if clip is None:
+            return inv
+        return torch.as_tensor(inv, dtype=torch.float32, device=device).reshape(1) \
+            * clip[0].to(device)
 
     def clip_grad_norm_(self, amp_opt, max_norm: float, norm_type: float) -> torch.Tensor:
         """On CHECKED gradients and the 2-norm: one fused norm over the scaled gradients, the
@@ -391,26 +387,22 @@ class FusedStep:
         self._buckets = None
 
     def zero_grad(self, amp_opt, set_to_none: bool, original) -> None:
-        """``optimizer.zero_grad``: torch's own over the masters, but a pending gradient is never
-        made only to be zeroed: set to None first, then (``set_to_none=False``) every master
-        that had a gradient reads as zeros, as on the unfused step, without fp32 zeros held."""
+        """``optimizer.zero_grad``: torch's own over the masters, but a lazy gradient is never
+        made only to be zeroed (master_grads.py): with ``set_to_none`` the lazy gradients come
+        off the masters first (those user code holds are made and let go), without it they stay
+        and read as zeros, as torch's zeroed gradients do, without fp32 zeros held."""
+        rooms = [group.grads for group in amp_opt.groups().values() if group.grads is not None]
         if set_to_none:
-            for group in amp_opt.groups().values():
-                if group.pending_watch is not None:
-                    group.pending_watch.unpend()   # one C++ loop, not a Python one in torch's
+            for room in rooms:
+                room.take_back()
+                room.release(self._factor(room.factor, self.clip, room.device))
             original(set_to_none=True)
             return
-        had = {}
-        for device, group in amp_opt.groups().items():
-            indices = [i for i, master in enumerate(group.half_masters)
-                       if master.grad is not None]
-            for i in indices:
-                group.half_masters[i].grad = None
-            had[device] = indices
+        for room in rooms:
+            room.take_back()
         original(set_to_none=False)
-        for device, group in amp_opt.groups().items():
-            master_grads.zero(group, had.get(device, ()))
-
+        for room in rooms:
+            room.put_back_zeroed()
 
 
 def _lamb_norms(buckets: List[_Bucket], grads: Dict[int, Optional[list]],

@@ -22,8 +22,9 @@ the copy back leaves the caller's tensors as they were, bit for bit, without the
 Both sets offer ``hold_lists``: an update's lists held in C++ between steps
 (``torch.classes.apex_lite.HeldLists``, csrc/held_lists.cpp), whose steps pass no list through
 Python; and the host-side watches amp runs every step, one C++ loop each: ``watch_grads``
-(csrc/grad_watch.cpp), ``pending_grads`` and ``watch_tensors`` (csrc/master_watches.cpp), with
-``_watches``' signatures.
+(csrc/grad_watch.cpp), ``lazy_grad_slots`` and ``watch_tensors`` (csrc/master_watches.cpp), with
+``_watches``' signatures; and ``referenced_elsewhere``, a reference count read in C
+(csrc/module.cpp).
 
 Imported only after ``apex_lite._C`` is loaded.
 """
@@ -51,7 +52,7 @@ _fused_adam_ = torch.ops.apex_lite.fused_adam_.default
 _fused_lamb_ = torch.ops.apex_lite.fused_lamb_.default
 _HeldLists = torch.classes.apex_lite.HeldLists
 _GradWatch = torch.classes.apex_lite.GradWatch
-_PendingGrads = torch.classes.apex_lite.PendingGrads
+_LazyGradSlots = torch.classes.apex_lite.LazyGradSlots
 _TensorWatch = torch.classes.apex_lite.TensorWatch
 
 
@@ -62,9 +63,24 @@ def watch_grads(sources: Tensors):
     return _GradWatch(list(sources))
 
 
-def pending_grads(sources: Tensors, masters: Tensors, pending: Tensors):
-    """``_watches.PendingGrads`` held in C++ (csrc/master_watches.cpp)."""
-    return _PendingGrads(list(sources), list(masters), list(pending))
+def lazy_grad_slots(sources: Tensors, masters: Tensors, lazies: Tensors):
+    """``_watches.LazyGradSlots`` held in C++ (csrc/master_watches.cpp)."""
+    return _LazyGradSlots(list(sources), list(masters), list(lazies))
+
+
+def _referenced_elsewhere():
+    """``_watches.referenced_elsewhere`` in C (csrc/module.cpp: one loop, no Python call per
+    object) where ``apex_lite._C`` is the built module; a JIT build (APEX_LITE_JIT=1) loads the
+    ops without it, and takes the Python loop."""
+    try:
+        from .. import _C
+        return _C.referenced_elsewhere
+    except (ImportError, AttributeError):
+        from ._watches import referenced_elsewhere
+        return referenced_elsewhere
+
+
+referenced_elsewhere = _referenced_elsewhere()
 
 
 def watch_tensors(tensors: Tensors):
@@ -84,7 +100,8 @@ CPU_OPS = SimpleNamespace(scale_=_scale_, scale_out=_scale_out, axpby_=_axpby_,
                           axpby_out=_axpby_out, l2norm=_l2norm, nonfinite_flags=_nonfinite_flags,
                           fused_sgd_=_fused_sgd_, fused_adam_=_fused_adam_,
                           fused_lamb_=_fused_lamb_, hold_lists=_hold_lists_any_strides,
-                          watch_grads=watch_grads, pending_grads=pending_grads,
+                          watch_grads=watch_grads, lazy_grad_slots=lazy_grad_slots,
+                          referenced_elsewhere=referenced_elsewhere,
                           watch_tensors=watch_tensors)
 
 
@@ -233,8 +250,9 @@ STAGED_OPS = SimpleNamespace(scale_=scale_, scale_out=scale_out, axpby_=axpby_,
                              axpby_out=axpby_out, l2norm=l2norm, nonfinite_flags=nonfinite_flags,
                              fused_sgd_=fused_sgd_, fused_adam_=fused_adam_,
                              fused_lamb_=fused_lamb_, hold_lists=hold_lists,
-                             watch_grads=watch_grads, pending_grads=pending_grads,
-                          watch_tensors=watch_tensors)
+                             watch_grads=watch_grads, lazy_grad_slots=lazy_grad_slots,
+                             referenced_elsewhere=referenced_elsewhere,
+                             watch_tensors=watch_tensors)
 
 
 # ---- issue 27: fused_lamb_mp_ (apex's FusedMixedPrecisionLamb) ----

@@ -499,4 +499,5 @@ def fused_adagrad_(params: Tensors, grads: Tensors, sums: Tensors, model_params:
 
 # The host-side watches amp uses every step (no tensor arithmetic: the same on every backend's
 # device, here in Python).
-from ._watches import pending_grads, watch_grads, watch_tensors  # noqa: E402,F401
+from ._watches import (lazy_grad_slots, referenced_elsewhere, watch_grads,  # noqa: E402,F401
+                       watch_tensors)

@@ -6,14 +6,18 @@ same loops in C++ (``ops_for(device).watch_grads`` and the others).
 
 - ``GradWatch``: whether the ``.grad`` of ``sources`` changed since ``record()`` (O2's half
   gradients edited after ``scale_loss``: amp/grad_edits.py).
-- ``PendingGrads``: the fused step's pending master gradients, given to the masters and watched
-  for writes by user code (amp/master_grads.py).
-- ``TensorWatch``: whether tensors were written in place or had ``requires_grad`` flipped since
-  ``record()`` (O2's half model parameters: amp/model_writes.py).
+- ``LazyGradSlots``: the fused step's lazy master gradients, given to the masters and watched
+  for writes by user code (amp/master_grads.py); ``referenced_elsewhere``: which of amp's
+  tensors user code still holds (a kept gradient keeps its values: amp reuses only the others).
+- ``TensorWatch``: whether tensors were written or had ``requires_grad`` flipped since ``record()``
+  (O2's two copies of each parameter: amp/two_copies.py).
 """
 from __future__ import annotations
 
-from typing import List, Sequence
+import sys
+import weakref
+
+from typing import List, Sequence, Tuple
 
 import torch
 
@@ -60,48 +64,81 @@ class GradWatch:
         self.grads = self.versions = None
 
 
-class PendingGrads:
-    """``pend()``: each of ``masters`` whose source (``sources[i]``) has a gradient gets
-    ``pending[i]`` as its ``.grad``; what every master's ``.grad`` is then is recorded.
-    ``changed()``: the index of the first master whose ``.grad`` is not the tensor recorded
-    (another tensor, or None where one was, or one where None was); -1 when none. ``unpend()``:
-    the masters that still hold their pending gradient hold none."""
+class LazyGradSlots:
+    """``give()``: each of ``masters`` whose source (``sources[i]``) has a gradient and that holds
+    no gradient, or its own lazy one (``lazies[i]``), gets ``lazies[i]`` as its ``.grad``; the
+    indices of those that hold another gradient are returned (the new one is added to it). What
+    every master's ``.grad`` is then is recorded. ``changed()``: the index of the first master
+    whose ``.grad`` is not the tensor recorded (another tensor, or None where one was, or one
+    where None was); -1 when none. ``take_back()``: the masters that still hold their lazy
+    gradient hold none (``put_back()`` gives them back). ``replace(i, lazy)``: slot ``i``'s lazy
+    gradient from now on."""
 
-    def __init__(self, sources: Tensors, masters: Tensors, pending: Tensors):
-        if not len(sources) == len(masters) == len(pending):
-            raise ValueError("PendingGrads: sources, masters and pending must be aligned lists")
-        self.sources, self.masters, self.pending = list(sources), list(masters), list(pending)
+    def __init__(self, sources: Tensors, masters: Tensors, lazies: List[torch.Tensor]):
+        if not len(sources) == len(masters) == len(lazies):
+            raise ValueError("LazyGradSlots: sources, masters and lazies must be aligned lists")
+        # ``lazies`` is the caller's list itself, not a copy, so that the slots add no reference
+        # to what they hold (as the C++ class's at::Tensors add none to the Python objects).
+        self.sources, self.masters, self.lazies = list(sources), list(masters), lazies
         self.recorded = None
 
-    def pend(self) -> None:
-        for source, master, pending in zip(self.sources, self.masters, self.pending):
+    def give(self) -> List[int]:
+        holding = []
+        self.recorded = None
+        for i, (source, master, lazy) in enumerate(zip(self.sources, self.masters,
+                                                        self.lazies)):
             if source.grad is not None:
-                master.grad = pending
-        self.recorded = [master.grad for master in self.masters]
+                grad = master.grad
+                if grad is None or grad is lazy:
+                    master.grad = lazy
+                else:
+                    holding.append(i)
+        # Weak references: a held reference would count as user code keeping the gradient.
+        self.recorded = [None if g is None else weakref.ref(g)
+                         for g in (master.grad for master in self.masters)]
+        return holding
 
     def changed(self) -> int:
         if self.recorded is None:
             return -1
         for i, (master, old) in enumerate(zip(self.masters, self.recorded)):
-            if master.grad is not old:
+            if master.grad is not (None if old is None else old()):
                 return i
         return -1
 
-    def unpend(self) -> None:
-        """Take the pending gradients off the masters that still hold them."""
-        for master, pending in zip(self.masters, self.pending):
-            if master.grad is pending:
+    def take_back(self) -> None:
+        self.taken = []
+        for i, (master, lazy) in enumerate(zip(self.masters, self.lazies)):
+            if master.grad is lazy:
                 master.grad = None
+                self.taken.append(i)
+
+    def put_back(self) -> None:
+        for i in getattr(self, "taken", ()):
+            self.masters[i].grad = self.lazies[i]
+        self.taken = []
+
+    def replace(self, i: int, lazy: torch.Tensor) -> None:
+        self.lazies[i] = lazy
 
     def clear(self) -> None:
         self.recorded = None
 
 
+def referenced_elsewhere(objects: list, own: int) -> List[int]:
+    """The indices of ``objects`` that something holds besides the ``own`` references of the
+    caller's (the list ``objects`` counts as one of them): user code keeps them."""
+    # getrefcount counts its argument; the object is read from the list, so that no loop
+    # variable (or enumerate's tuple) holds one more.
+    limit = own + 1
+    return [i for i in range(len(objects)) if sys.getrefcount(objects[i]) > limit]
+
+
 class TensorWatch:
-    """Whether ``tensors`` were written in place (a version counter moved), given other memory
-    (``p.data = t`` keeps the version counter, not the data pointer) or had ``requires_grad``
-    flipped since ``record()``. ``changed()``: the indices of those tensors (empty when none, or
-    nothing is recorded)."""
+    """Whether ``tensors`` were written since ``record()``: in place (a version counter moved) or
+    given other memory (``p.data = t`` keeps the version counter, not the data pointer); and
+    whether their ``requires_grad`` was flipped. ``changed()``: ``(written, flipped)``, the
+    indices of each (both empty when nothing is recorded)."""
 
     def __init__(self, tensors: Tensors):
         self.tensors = list(tensors)
@@ -110,13 +147,17 @@ class TensorWatch:
     def record(self) -> None:
         self.recorded = [(_version(t), t.data_ptr(), t.requires_grad) for t in self.tensors]
 
-    def changed(self) -> List[int]:
+    def changed(self) -> Tuple[List[int], List[int]]:
         if self.recorded is None:
-            return []
-        return [i for i, (t, (version, data, requires_grad)) in enumerate(zip(self.tensors,
-                                                                               self.recorded))
-                if _version(t) != version or t.data_ptr() != data
-                or t.requires_grad != requires_grad]
+            return [], []
+        written, flipped = [], []
+        for i, (t, (version, data, requires_grad)) in enumerate(zip(self.tensors,
+                                                                     self.recorded)):
+            if _version(t) != version or t.data_ptr() != data:
+                written.append(i)
+            if t.requires_grad != requires_grad:
+                flipped.append(i)
+        return written, flipped
 
 
 def watch_grads(sources: Tensors) -> GradWatch:
@@ -124,9 +165,9 @@ def watch_grads(sources: Tensors) -> GradWatch:
     return GradWatch(sources)
 
 
-def pending_grads(sources: Tensors, masters: Tensors, pending: Tensors) -> PendingGrads:
-    """A ``PendingGrads`` over the aligned lists."""
-    return PendingGrads(sources, masters, pending)
+def lazy_grad_slots(sources: Tensors, masters: Tensors, lazies: Tensors) -> LazyGradSlots:
+    """A ``LazyGradSlots`` over the aligned lists."""
+    return LazyGradSlots(sources, masters, lazies)
 
 
 def watch_tensors(tensors: Tensors) -> TensorWatch:

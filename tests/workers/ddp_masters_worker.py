@@ -41,10 +41,10 @@ def main():
         x, y = torch.randn(8, 16, generator=data), torch.randn(8, 4, generator=data)
         opt.zero_grad()
         loss = torch.nn.functional.mse_loss(model(x).float(), y)
-        if first_forward is None:
-            first_forward = [m.detach().clone() for m in amp.master_params(opt)]
         with amp.scale_loss(loss, opt) as scaled_loss:
             scaled_loss.backward()
+        if first_forward is None:   # the masters are broadcast at the first scale_loss
+            first_forward = [m.detach().clone() for m in amp.master_params(opt)]
         opt.step()
         steps.append({"masters": [m.detach().clone() for m in amp.master_params(opt)],
                       "params": [p.detach().clone() for p in model.parameters()]})
