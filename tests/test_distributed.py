@@ -59,9 +59,13 @@ def test_one_ranks_overflow_skips_every_optimizer_of_the_scale_loss_on_every_ran
 
 
 def test_an_explicit_process_group_is_the_one_the_overflow_flag_is_reduced_over(tmp_path):
-    """Each rank passes initialize(process_group=) a group of itself alone: rank 1's overflow
-    skips its step only (over the default group, both ranks would skip it)."""
-    results = run_ranks(tmp_path, extra=("--steps", "3", "--inject-step", "1", "--inject-rank",
-                                         "1", "--own-group"))
-    assert results[0]["skipped"] == [False] * 3
-    assert results[1]["skipped"] == [False, True, False]
+    """Without DDP (each rank's gradients its own), each rank passes initialize(process_group=)
+    a group of itself alone: rank 1's overflow skips its step only; over the default group,
+    both ranks skip it."""
+    own = run_ranks(tmp_path, extra=("--steps", "3", "--inject-step", "1", "--inject-rank",
+                                     "1", "--own-group", "--no-ddp"))
+    assert own[0]["skipped"] == [False] * 3
+    assert own[1]["skipped"] == [False, True, False]
+    default = run_ranks(tmp_path, extra=("--steps", "3", "--inject-step", "1", "--inject-rank",
+                                         "1", "--no-ddp"))
+    assert default[0]["skipped"] == default[1]["skipped"] == [False, True, False]

@@ -159,12 +159,13 @@ class MyModel(torch.nn.Module):
         return (input[:2] * self.weight0).sum() + (input[2:] * self.weight1).sum() * 0.5
 
 
-def larc_run(opt_level, clip, steps=4):
+def larc_run(opt_level, clip, steps=4, fused_step=None):
     model = MyModel(1)
     optimizer = LARC(torch.optim.SGD([{"params": model.parameters(), "lr": 0.25}],
                                      momentum=0.125, weight_decay=1e-3), clip=clip)
     if opt_level is not None:
-        model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, verbosity=0)
+        model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, verbosity=0,
+                                          fused_step=fused_step)
     x = torch.tensor([1.0, 1.0, 0.5, -2.0, 4.0])
     for _ in range(steps):
         optimizer.zero_grad()
@@ -196,20 +197,25 @@ def test_larc_mixed_precision(opt_level, clip):
     assert isinstance(optimizer, LARC) and hasattr(optimizer, "_amp_stash")
 
 
-def test_larc_takes_the_unfused_step_at_O2_and_carries_amps_state():
+def test_larc_steps_through_its_optimizer_at_O2_and_carries_amps_state():
+    """LARC shares its optimizer's param groups and calls its step: amp takes over the inner
+    optimizer (issue 49), which takes the fused step where it can, with the gradients LARC
+    rescaled."""
     _, optimizer = larc_run("O2", clip=True, steps=1)
     report = str(amp.report())
-    assert "optimizer 0 (LARC): unfused step" in report
+    assert "optimizer 0 (LARC): fused step" in report
     state = optimizer.state_dict()
     assert AMP_STATE_KEY in state and "state" in state
     optimizer.load_state_dict(state)
 
 
-def test_fused_step_true_refuses_a_larc():
-    model = MyModel(1)
-    optimizer = LARC(torch.optim.SGD(model.parameters(), lr=0.25))
-    with pytest.raises(ValueError, match="cannot take the fused step"):
-        amp.initialize(model, optimizer, opt_level="O2", fused_step=True, verbosity=0)
+@pytest.mark.parametrize("fused_step", [True, False])
+def test_larc_at_O2_on_either_step_path_trains_as_fp32(fused_step):
+    expected, _ = larc_run(None, clip=True)
+    got, optimizer = larc_run("O2", clip=True, fused_step=fused_step)
+    assert optimizer._apex_lite_amp.path.fused == fused_step
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

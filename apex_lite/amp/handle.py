@@ -23,7 +23,7 @@ from .init_checks import as_list as _as_list
 from .model_hooks import (_DtypeGuard, _Fp32StateDict, _MastersFollowModelLoads,  # noqa: F401
                           _ModelZeroGrad)
 from .opt_levels import HALF_DTYPES, OPT_LEVELS, resolve_properties
-from .optimizer import MARK as _MARK, AmpOptimizer
+from .optimizer import AmpOptimizer, amp_optimizer_of, stepping_optimizer
 from .overflow import OverflowCheck, is_logging_rank
 from .run import _DisabledRun, _Run
 from .scaler import DEFAULT_SCALE_WINDOW, DEFAULT_SYNC_INTERVAL, LossScaler
@@ -92,7 +92,7 @@ class AmpHandle:
             sharding.check_optimizers(opt_list, {id(p) for m in model_list
                                                  for p in m.parameters()})
         init_checks.check_optimizers(opt_list)
-        unfused_whys = [step_path.choose(opt, i, properties, fused_step)
+        unfused_whys = [step_path.choose(stepping_optimizer(opt)[0], i, properties, fused_step)
                         for i, opt in enumerate(opt_list)]
         if sharding is not None and process_group is None:
             process_group = sharding.process_group()   # every rank of the mesh decides together
@@ -173,7 +173,7 @@ class AmpHandle:
                              "amp.scale_loss(loss, optimizer).")
         amp_opts: List[AmpOptimizer] = []
         for i, opt in enumerate(opt_list):
-            amp_opt = getattr(opt, _MARK, None)
+            amp_opt = amp_optimizer_of(opt)
             if amp_opt is None:
                 raise RuntimeError(f"optimizer {i} given to amp.scale_loss was not passed to "
                                    f"amp.initialize; pass it there and use the returned "
@@ -232,11 +232,18 @@ class AmpHandle:
                 amp_opt.restore_stash(stash)
                 amp_opt.missing_backward = True
             return
+        # Under data parallel (ddp.py): a backward under no_sync() is left scaled for the synced
+        # one to add to, as delay_unscale leaves it; after one that all-reduced the gradients,
+        # every rank decides alike from its own, without a collective.
+        reduces = run.ddp.backward_reduces()
+        if reduces is False:
+            delay_unscale = True
         check = None
         if not delay_unscale:
             delayed = [l for amp_opt in amp_opts for l in amp_opt.pending_losses]
             check = OverflowCheck(scaler, loss, optimizers=amp_opts, flag_pool=run.flag_pool,
-                                  process_group=run.process_group, delayed_losses=delayed)
+                                  process_group=run.process_group, delayed_losses=delayed,
+                                  reduced=reduces is True)
         for amp_opt, stash in zip(amp_opts, stashes):
             amp_opt.missing_backward = False
             amp_opt.after_backward(stash, loss, scale, delay_unscale, check)
@@ -312,7 +319,7 @@ class AmpHandle:
             raise RuntimeError("amp.report needs an enabled amp.initialize first")
         model_list = run.models if models is None else \
             _as_list(models, torch.nn.Module, "models")[0]
-        opt_list = [o.optimizer for o in run.optimizers] if optimizers is None else \
+        opt_list = [o.given for o in run.optimizers] if optimizers is None else \
             _as_list(optimizers, torch.optim.Optimizer, "optimizers")[0]
         return report_module.build_report(run, model_list, opt_list)
 
@@ -323,7 +330,7 @@ class AmpHandle:
         ``step()``. On the fused step (2-norm) nothing is written: one fused norm, the clip
         coefficient folded into the step, no host read; a non-finite norm skips the step.
         Arguments and errors: :func:`apex_lite.amp.clip_grad_norm_`."""
-        amp_opt = getattr(optimizer, _MARK, None)
+        amp_opt = amp_optimizer_of(optimizer)
         if amp_opt is None or amp_opt.run is not self._run:
             raise RuntimeError("amp.clip_grad_norm_ takes an optimizer that the latest "
                                "amp.initialize returned")
@@ -334,7 +341,7 @@ class AmpHandle:
         On the fused step, gradients still scaled are unscaled into the masters' gradients
         when it is first read (to clip or read them, as apex code does). As
         :func:`apex_lite.amp.master_params`."""
-        amp_opt = getattr(optimizer, _MARK, None)
+        amp_opt = amp_optimizer_of(optimizer)
         if amp_opt is not None:
             amp_opt.run.copies.sync("amp.master_params")
             amp_opt.materialize_master_grads()

@@ -11,7 +11,7 @@ import torch
 
 from . import casting
 from .opt_levels import HALF_DTYPES, OPT_LEVELS, Properties
-from .optimizer import MARK
+from .optimizer import MARK, stepping_optimizer
 
 
 # The rule that initialize and add_param_group enforce, and why.
@@ -191,7 +191,7 @@ def check_optimizers(optimizers) -> None:
     if len({id(o) for o in optimizers}) != len(optimizers):
         raise ValueError("the same optimizer appears twice in optimizers; pass each once")
     for i, opt in enumerate(optimizers):
-        if hasattr(opt, MARK):
+        if hasattr(opt, MARK) or hasattr(stepping_optimizer(opt)[0], MARK):
             raise RuntimeError(
                 f"optimizer {i} ({type(opt).__name__}) was already passed to amp.initialize. "
                 f"An optimizer can be initialised once: to re-initialise, create a new "

@@ -243,9 +243,14 @@ class MasterGrads:
         torch adds a backward to a gradient there. True when every new gradient is lazy; False
         when some were added (every lazy one is then made too: the step reads the masters')."""
         self._lazies()
+        if self.made and not self.live:
+            # Lazy gradients an earlier step made and no zero_grad() let go (the half
+            # gradients were cleared by hand): their values are that step's.
+            self._retire(self.made)
+            self.made = []
         holding = list(self.slots.give())
         self.factor = factor.clone() if isinstance(factor, torch.Tensor) else float(factor)
-        made = [i for i in self.made if self.models[i].grad is not None]
+        made = [i for i in self.made if self.models[i].grad is not None]   # live ones
         self.zeroed = False
         if not holding and not made:
             return True
@@ -321,29 +326,36 @@ class MasterGrads:
         if self.lazies is None:
             return
         held = ops_for(self.device).referenced_elsewhere(self.lazies, self._own)
-        if held:
-            unmade = [i for i in held if self.lazies[i]._value is None
-                      and self.models[i].grad is not None]
-            if unmade:
-                values = self._fresh(unmade, reuse=False)
-                with torch.inference_mode(False), torch.no_grad():
-                    if self.zeroed:
-                        torch._foreach_zero_(values)
-                    else:
-                        fused_scale([self.models[i].grad for i in unmade], values, factor,
-                                    self.sink())
-                for i, value in zip(unmade, values):
-                    self.lazies[i]._value = value
-            for i in held:
+        unmade = [i for i in held if self.lazies[i]._value is None
+                  and self.models[i].grad is not None]
+        if unmade:
+            values = self._fresh(unmade, reuse=False)
+            with torch.inference_mode(False), torch.no_grad():
+                if self.zeroed:
+                    torch._foreach_zero_(values)
+                else:
+                    fused_scale([self.models[i].grad for i in unmade], values, factor,
+                                self.sink())
+            for i, value in zip(unmade, values):
+                self.lazies[i]._value = value
+        self._retire(sorted(set(held) | set(self.made)), held)
+        self.made = []
+        self.zeroed = self.live = False
+
+    def _retire(self, indices: Sequence[int], held: Optional[Sequence[int]] = None) -> None:
+        """The lazy gradients of ``indices`` are done with: one that user code holds (``held``,
+        counted now when None) is let go, its master taking a new one; the others are reset,
+        unmade, for the next step."""
+        if held is None:
+            held = ops_for(self.device).referenced_elsewhere(self.lazies, self._own)
+        held = set(held)
+        for i in indices:
+            if i in held:
                 self.lazies[i]._room = None
                 lazy = self.lazies[i] = LazyGrad(self, i)
                 self.slots.replace(i, lazy)
-        kept = set(held)
-        for i in self.made:
-            if i not in kept:
+            else:
                 self.lazies[i]._value = None
-        self.made = []
-        self.zeroed = self.live = False
 
     def take_back(self) -> None:
         """``zero_grad()``: the lazy gradients come off the masters (torch's own ``zero_grad``

@@ -1,16 +1,16 @@
 """What amp hangs on the user's modules, parameters and losses, and why each is there.
 
 On each model ``initialize`` prepares (``hang_on_model``):
-- ``_DtypeGuard`` (forward pre-hook): a model cast after ``initialize`` is named before its
-  forward fails deep in torch, or trains on in the wrong dtype;
+- ``_BeforeForward`` (forward pre-hook): a model cast after ``initialize`` is named before its
+  forward fails deep in torch, or trains on in the wrong dtype; the data-parallel wrapper the
+  forward runs in is noted (ddp.py); at O2, writes to either copy of a parameter reach the
+  other before the forward computes (two_copies.py);
 - ``_ModelZeroGrad`` (replaces ``model.zero_grad`` on the instance): zeroing the model, as apex
   programs do, also clears amp's O2 master gradients and resets a fully covered optimizer;
 - ``_Fp32StateDict`` (state_dict post-hook, models cast to half): the model's checkpoint holds
   fp32, under O2 the masters themselves, as apex's did;
 - ``_MastersFollowModelLoads`` (load_state_dict pre- and post-hooks, O2): loading the model
   after ``initialize`` updates the masters, which the optimizer steps;
-- ``ddp.FollowDDPBroadcast`` (forward pre-hook, O2): inside a DistributedDataParallel's first
-  forward, rank 0's masters are broadcast, as DDP broadcast rank 0's half weights.
 
 On each O2 half parameter, its master (``Fp32Values``, an attribute): both hooks find the fp32
 values from the parameter itself, never by module or name, so a tied parameter gives its master
@@ -35,7 +35,6 @@ from typing import Dict, List
 
 import torch
 
-from . import ddp
 from .opt_levels import HALF_DTYPES
 from .pairs import FP32_ATTR, Fp32Values, fp32_truth  # noqa: F401  (old pickles' class path)
 
@@ -62,9 +61,8 @@ class _BackwardWatch:
 
 
 class _DtypeGuard:
-    """A forward pre-hook: a model whose dtype changed after ``initialize`` is named before its
-    forward fails deep inside with torch's dtype mismatch (or trains on in the new dtype). The
-    run is not pickled with the model."""
+    """The forward pre-hook of models prepared by an earlier apex_lite (``_BeforeForward`` does
+    its work now); kept so that such models unpickle, where it does nothing."""
 
     def __init__(self, run, index: int):
         self.run = run
@@ -78,27 +76,29 @@ class _DtypeGuard:
         return {"run": None, "index": self.index}
 
 
-class _CopiesBeforeForward:
-    """A forward pre-hook on an O2 model: writes to either copy of its parameters made since
-    the last check reach the other before the forward computes with them (two_copies.py); the
-    writes found next are the forward's own. A forward inside a torch DistributedDataParallel
-    notes it, so that the next ``scale_loss`` broadcasts its masters (ddp.py). The run is not
-    pickled with the model."""
+class _BeforeForward:
+    """A forward pre-hook on each model ``initialize`` prepared, before its forward computes:
+    a model cast after ``initialize`` is named before the forward fails deep inside with torch's
+    dtype mismatch (or trains on in the new dtype); the data-parallel wrapper the forward runs
+    inside is noted (ddp.py); at O2, writes to either copy of its parameters made since the last
+    check reach the other (two_copies.py), and the writes found next are the forward's own. The
+    run is not pickled with the model."""
 
-    def __init__(self, run):
+    def __init__(self, run, index: int):
         self.run = run
+        self.index = index
 
     def __call__(self, module, args) -> None:
         run = self.run
         if run is None:
             return
-        ddp_module = ddp.active_ddp()
-        first_in_ddp = ddp_module is not None and run.sharding is None \
-            and run.ddp.note(ddp_module)
-        run.copies.forward_started(before_broadcast=first_in_ddp)
+        run.check_dtypes("forward", self.index)
+        first_in_ddp = run.ddp.forward_started(sharded=run.sharding is not None)
+        if len(run.pairs):
+            run.copies.forward_started(before_broadcast=first_in_ddp)
 
     def __getstate__(self):
-        return {"run": None}
+        return {"run": None, "index": self.index}
 
 
 class _ModelZeroGrad:
@@ -224,7 +224,7 @@ def hang_on_model(model: torch.nn.Module, run, index: int, cast_to_half: bool) -
             model.register_load_state_dict_post_hook(follower.apply)
         model.register_state_dict_post_hook(_Fp32StateDict(run))
     model.zero_grad = _ModelZeroGrad(model, run)
-    model.register_forward_pre_hook(_DtypeGuard(run, index))
+    model.register_forward_pre_hook(_BeforeForward(run, index))
 
 
 class _ForeignBackward:

@@ -41,9 +41,10 @@ optimizer's parameters without being given the optimizer).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -64,11 +65,52 @@ CLEAN, SCALED, UNSCALED, CHECKED = (GradState.CLEAN, GradState.SCALED, GradState
 # (``optimizer._apex_lite_amp``); on a model, the opt level.
 MARK = "_apex_lite_amp"
 
-class AmpOptimizer:
-    """The amp state of one optimizer, reachable as ``optimizer._apex_lite_amp``."""
+def stepping_optimizer(optimizer) -> Tuple[torch.optim.Optimizer, List]:
+    """The optimizer whose ``step`` updates ``optimizer``'s parameters, and the wrappers above
+    it: an optimizer that wraps another and shares its ``param_groups`` (LARC, Lookahead, SAM,
+    torch's PostLocalSGDOptimizer) steps through it, as ``optimizer`` itself does otherwise."""
+    wrappers = []
+    while True:
+        inner = _wrapped(optimizer)
+        if inner is None:
+            return optimizer, wrappers
+        wrappers.append(optimizer)
+        optimizer = inner
 
-    def __init__(self, optimizer: torch.optim.Optimizer, run):
+
+def _wrapped(optimizer) -> Optional[torch.optim.Optimizer]:
+    """The optimizer that ``optimizer`` holds as an attribute and shares ``param_groups`` with."""
+    groups = getattr(optimizer, "param_groups", None)
+    if groups is None:
+        return None
+    for value in vars(optimizer).values():
+        if value is not optimizer and isinstance(value, torch.optim.Optimizer) \
+                and getattr(value, "param_groups", None) is groups:
+            return value
+    return None
+
+
+def amp_optimizer_of(optimizer) -> Optional["AmpOptimizer"]:
+    """The ``AmpOptimizer`` of ``optimizer``: its own mark, or that of the optimizer it wraps
+    and shares ``param_groups`` with (a Lookahead built around an amp optimizer after
+    ``initialize``); None when neither went through ``initialize``."""
+    while optimizer is not None:
+        amp_opt = getattr(optimizer, MARK, None)
+        if amp_opt is not None:
+            return amp_opt
+        optimizer = _wrapped(optimizer)
+    return None
+
+
+class AmpOptimizer:
+    """The amp state of one optimizer, reachable as ``optimizer._apex_lite_amp``.
+
+    ``optimizer``: the optimizer whose ``step`` updates the parameters (``stepping_optimizer``);
+    ``given``: the one passed to ``initialize`` (it, or a wrapper around it)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, run, given=None):
         self.optimizer = optimizer
+        self.given = optimizer if given is None else given
         self.run = run
         self.grad_state = CLEAN
         # The scale of SCALED or CHECKED gradients, and the losses behind SCALED ones.
@@ -94,12 +136,23 @@ class AmpOptimizer:
         # How step() applies the update: UnfusedStep or FusedStep (step_path.py), set by
         # initialize.
         self.path = None
+        # amp's update in place of the class's, inside the optimizer's own step (_own_step).
+        self.replacement: Optional[_StepInPlace] = None
         self._original_step = optimizer.step
         self._original_zero_grad = optimizer.zero_grad
         self._original_add_param_group = optimizer.add_param_group
 
     # ---- installing ----------------------------------------------------------------------
-    def install(self) -> None:
+    def install(self, wrappers: Sequence = ()) -> None:
+        """Patch the stepping optimizer's ``step``, ``zero_grad`` and ``add_param_group``; on
+        each of ``wrappers`` (optimizers around it that share its param groups), ``zero_grad``
+        and ``add_param_group``, leaving their ``step`` to call the stepping one's, which is
+        amp's: a step taken through the inner optimizer (SAM's second step) is amp's step."""
+        for wrapper in wrappers:
+            wrapper.zero_grad = types.MethodType(_make_method("zero_grad"), wrapper)
+            wrapper.add_param_group = types.MethodType(_make_method("add_param_group"),
+                                                       wrapper)
+            setattr(wrapper, MARK, self)
         opt = self.optimizer
         step = _make_method("step")
         if hasattr(self._original_step, "_wrapped_by_lr_sched"):
@@ -109,7 +162,10 @@ class AmpOptimizer:
         opt.zero_grad = types.MethodType(_make_method("zero_grad"), opt)
         opt.add_param_group = types.MethodType(_make_method("add_param_group"), opt)
         opt._apex_lite_amp = self
-        self.saved_state.install()
+        if _StepInPlace.applies(opt):
+            self.replacement = _StepInPlace(opt)
+        self.saved_state.install([opt] + [w for w in wrappers
+                                          if hasattr(w, "_optimizer_state_dict_post_hooks")])
         self.watches.watch([p for group in opt.param_groups for p in group["params"]])
         # Gradients an earlier initialize's fused step left pending belong to its run.
         for master in self.masters():
@@ -215,7 +271,7 @@ class AmpOptimizer:
     def label(self) -> str:
         """"optimizer <i> (<class>)", its place in the ``initialize`` call, for messages."""
         index = self.run.optimizers.index(self) if self in self.run.optimizers else "?"
-        return f"optimizer {index} ({type(self.optimizer).__name__})"
+        return f"optimizer {index} ({type(self.given).__name__})"
 
     def step(self, closure=None):
         if self.in_scale_loss:
@@ -268,21 +324,22 @@ class AmpOptimizer:
         self._drop_cleared()
         self.run.copies.sync(caller)
         checks = self.checks
-        args = () if closure is None else (closure,)
+        # The optimizer's own step gets a closure that returns the loss amp computed first.
+        replayed = closures.replayed(self, closure, closure_loss)
+        args = () if closure is None else (replayed,)
         try:
             if self.run.decides_on_device:
                 # Every step is fused: the kernel reads the skip decision on the device.
                 flags = [check.skip_flag(self) for check in checks]
                 found_inf = functools.reduce(torch.maximum, flags) if flags else None
-                result = self._with_hooks(lambda: self.path.apply(self, found_inf), args)
+                result = self._own_step(args, lambda: self.path.apply(self, found_inf))
             elif any([check.skips(self) for check in checks]):   # every check resolves
                 self.path.forget()   # a clip coefficient of this step goes with it
-                result = self._with_hooks(lambda: None, args)
+                result = self._own_step(args, lambda: None)
             elif self.path.fused:
-                result = self._with_hooks(lambda: self.path.apply(self, None), args)
+                result = self._own_step(args, lambda: self.path.apply(self, None))
             else:
-                result = self.path.apply(self, None,
-                                         closures.replayed(self, closure, closure_loss))
+                result = self.path.apply(self, None, replayed)
         except BaseException:
             self.checks = checks
             raise
@@ -292,16 +349,24 @@ class AmpOptimizer:
         # Tell an LR scheduler this step counted (torch's own flag), also when it is skipped, so
         # that skipped first steps do not make it warn that lr_scheduler.step() came first.
         self.optimizer._opt_called = True
+        self.given._opt_called = True
         self.run.copies.record()   # both copies as amp's own writes left them
         return closure_loss if closure is not None and self.path.fused else result
 
-    def _with_hooks(self, apply, args: tuple):
-        """Run ``apply()`` between torch's optimizer step pre- and post-hooks (the optimizer's
-        and the global ones, through torch's own runner), as ``optimizer.step`` would."""
-        if not isinstance(self.optimizer, torch.optim.Optimizer):
-            return apply()
-        return torch.optim.Optimizer.profile_hook_step(
-            lambda optimizer, *rest: apply())(self.optimizer, *args)
+    def _own_step(self, args: tuple, update: Callable[[], None]):
+        """The optimizer's ``step`` as code set it before ``initialize`` (its class's, or a
+        wrapper set on the instance: a profiler's, a logger's, an LR scheduler's), with
+        ``update`` (the fused kernels, or nothing for a skipped step) in place of the class's
+        own update: amp's step pre-hook, the last to run, runs ``update`` and hides the param
+        groups from the class's update that follows; amp's post-hook, the first, gives them
+        back (``_StepInPlace``). torch's step hooks fire once, as in any step; a closure
+        (``replayed``) returns the loss amp already computed."""
+        replacement = self.replacement
+        if replacement is None:   # not a torch optimizer whose step runs torch's hooks
+            update()
+            return None
+        with replacement.armed(update):
+            return self._original_step(*args)
 
     def _drop_cleared(self) -> None:
         """O2: a half gradient cleared since its ``scale_loss`` (``model[0].zero_grad()``,
@@ -413,6 +478,59 @@ _UNSCALED_FIX = (
     "every optimizer whose parameters the loss reaches: `with amp.scale_loss(loss, "
     "[optimizer_a, optimizer_b]) as scaled: scaled.backward()`, or zero this optimizer's "
     "gradients (optimizer.zero_grad()) before the backward it should step on.")
+
+
+class _StepInPlace:
+    """A step pre-hook and post-hook on an optimizer, with which amp runs its own update inside
+    the optimizer's own ``step`` (``AmpOptimizer._own_step``): armed with an update, the
+    pre-hook runs it and hides the optimizer's param groups (an empty list in their place), so
+    that the class's update finds nothing to do; the post-hook gives them back. Disarmed, the
+    hooks do nothing (the unfused step runs the class's update itself)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+        self.update: Optional[Callable[[], None]] = None
+        self.hidden = None
+        self.pre = optimizer.register_step_pre_hook(self._pre)
+        self.post = optimizer.register_step_post_hook(self._post)
+
+    @staticmethod
+    def applies(optimizer) -> bool:
+        """Whether ``optimizer``'s class step runs torch's step hooks (torch.optim.Optimizer's
+        ``profile_hook_step``, put on the class by ``Optimizer.__init__``)."""
+        return isinstance(optimizer, torch.optim.Optimizer) and \
+            getattr(type(optimizer).step, "hooked", False) and \
+            hasattr(optimizer, "_optimizer_step_pre_hooks")
+
+    @contextlib.contextmanager
+    def armed(self, update: Callable[[], None]):
+        # The last pre-hook and the first post-hook: hooks registered after initialize see the
+        # parameters as any step shows them.
+        self.optimizer._optimizer_step_pre_hooks.move_to_end(self.pre.id)
+        self.optimizer._optimizer_step_post_hooks.move_to_end(self.post.id, last=False)
+        self.update = update
+        try:
+            # A wrapper that does not call the class step (one that skips it) steps nothing,
+            # as it would without amp.
+            yield
+        finally:
+            self.update = None
+            self._give_back()
+
+    def _pre(self, optimizer, args, kwargs):
+        update, self.update = self.update, None
+        if update is not None:
+            update()
+            self.hidden = optimizer.param_groups
+            optimizer.param_groups = []
+        return None
+
+    def _post(self, optimizer, args, kwargs):
+        self._give_back()
+
+    def _give_back(self) -> None:
+        if self.hidden is not None:
+            self.optimizer.param_groups, self.hidden = self.hidden, None
 
 
 def _make_method(name: str):

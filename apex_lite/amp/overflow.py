@@ -68,7 +68,7 @@ class OverflowCheck:
 
     def __init__(self, scaler: LossScaler, loss: torch.Tensor, *, optimizers: Sequence = (),
                  flag_pool: Optional[FlagPool] = None, process_group=None,
-                 delayed_losses: Sequence[torch.Tensor] = ()):
+                 delayed_losses: Sequence[torch.Tensor] = (), reduced: bool = False):
         self.scaler = scaler
         # The AmpOptimizers whose gradients the flags cover (OverflowStuckError names their
         # parameters).
@@ -82,6 +82,9 @@ class OverflowCheck:
         self.carried_infs: Dict[Tuple[object, torch.device], torch.Tensor] = {}
         self.flag_pool = flag_pool if flag_pool is not None else FlagPool()
         self.process_group = process_group
+        # The gradients were all-reduced by the backward (DDP): every rank holds the same, and
+        # decides from its own, without a collective; a rank's own loss only names the cause.
+        self.reduced = reduced
         self.overflow: Optional[bool] = None          # the scaler's decision, once resolved
         self.loss_nonfinite: Optional[bool] = None
         # The optimizers that skip because of this backward (once resolved on the host), and
@@ -149,7 +152,7 @@ class OverflowCheck:
         carried_keys = list(self.carried_infs)
         flags = [self.found_infs[key].to(device) for key in keys] + \
             [self.carried_infs[key].to(device) for key in carried_keys]
-        if distributed_active():
+        if distributed_active() and not self.reduced:
             # Every rank must reach the same decisions: reduce the flags, not the loss.
             losses = torch.cat([l.to(device) for l in self.losses])
             loss_bad = torch.isfinite(losses).logical_not().any().to(torch.float32).reshape(1)
@@ -165,7 +168,8 @@ class OverflowCheck:
         own, carried = flag_values[:len(keys)], flag_values[len(keys):]
         own_bad = {key[0] for key, value in zip(keys, own) if value != 0.0}
         carried_bad = {key[0] for key, value in zip(carried_keys, carried) if value != 0.0}
-        self.overflow = bool(own_bad) or self.loss_nonfinite
+        self.overflow = bool(own_bad) or (self.loss_nonfinite and not self.reduced)
+        self.loss_nonfinite = self.loss_nonfinite and self.overflow
         self.nonfinite = own_bad | carried_bad
         self.skipping = (set(self.optimizers) if self.overflow else set()) | carried_bad
         self.flag_pool.give_back(list(self.found_infs.values()) +
@@ -190,11 +194,14 @@ class OverflowCheck:
         flags = torch.cat([self.found_infs[key].to(device) for key in keys] +
                           [self.carried_infs[key].to(device) for key in carried_keys] +
                           [loss_bad])
-        if distributed_active():
+        if distributed_active() and not self.reduced:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
         loss_bad = flags[-1:]
         own = flags[:len(keys)]
-        overflow = torch.cat([own, loss_bad]).amax().reshape(1)
+        # After an all-reduced backward a rank's own loss does not decide (ranks would part).
+        overflow = torch.cat([own, loss_bad * (0.0 if self.reduced else 1.0)]).amax().reshape(1)
+        if self.reduced:
+            loss_bad = loss_bad * overflow
         for amp_opt in self.optimizers:
             # Views and elementwise maxima only (indexing with a host list would copy it to
             # the device, a sync).

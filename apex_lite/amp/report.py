@@ -146,7 +146,14 @@ def build_report(run, models: Sequence[torch.nn.Module],
             values.extend(v for group in amp_opt.groups().values() if group.grads is not None
                           for v in group.grads.values)
     grads = [p.grad for p in params] + _held_grads([p.grad for p in masters], values)
-    state = [v for opt in optimizers for per_param in opt.state.values()
+    # The stepping optimizer's state (a wrapper's, such as Lookahead's slow weights, too).
+    states = {}
+    for opt in optimizers:
+        amp_opt = getattr(opt, "_apex_lite_amp", None)
+        for holder in (opt, None if amp_opt is None else amp_opt.optimizer):
+            if holder is not None and isinstance(getattr(holder, "state", None), dict):
+                states[id(holder.state)] = holder.state
+    state = [v for st in states.values() for per_param in st.values()
              for v in per_param.values() if isinstance(v, torch.Tensor)]
     tensors = {"parameters": _tally(params), "gradients": _tally(grads),
                "master weights": _tally(masters), "optimizer state": _tally(state)}

@@ -18,7 +18,7 @@ from .opt_params import MOVED_FIX
 from .pairs import Pairs
 from .two_copies import TwoCopies
 from .opt_levels import HALF_DTYPES, Properties
-from .optimizer import MARK, AmpOptimizer
+from .optimizer import MARK, AmpOptimizer, stepping_optimizer
 from .overflow import DecisionLog, FlagPool
 from .scaler import LossScaler
 
@@ -62,8 +62,8 @@ class _Run:
         # two copies equal (two_copies.py).
         self.pairs = Pairs(models)
         self.copies = TwoCopies(self.pairs)
-        # O2: the torch DDPs the models ran inside, whose masters are still to be broadcast.
-        self.ddp = ddp.DDPBroadcasts()
+        # The data-parallel wrappers the models run inside (ddp.py).
+        self.ddp = ddp.DataParallel()
         self.optimizers: List[AmpOptimizer] = []
         # The FSDP2 units of the models (fsdp.Sharding), or None when none is sharded.
         self.sharding: Optional[fsdp.Sharding] = None
@@ -227,8 +227,6 @@ def prepare_model(run: _Run, index: int, model: torch.nn.Module, keep_fp32_modul
         casting.wrap_forward(model, output_dtype=props.cast_model_outputs)
     model_hooks.hang_on_model(model, run, index,
                               cast_to_half=cast_type in HALF_DTYPES)
-    if cast_type in HALF_DTYPES and props.master_weights:
-        model.register_forward_pre_hook(model_hooks._CopiesBeforeForward(run))
     setattr(model, MARK, props.opt_level)
 
 
@@ -250,8 +248,11 @@ def make_masters(run: _Run, index: int, model: torch.nn.Module, kept_params: set
 
 
 def take_over_optimizer(run: _Run, opt: torch.optim.Optimizer, unfused_why: str) -> None:
-    """Hand ``opt`` its masters and patch it (``AmpOptimizer``) onto the step path chosen."""
-    for group in opt.param_groups:
+    """Hand ``opt`` its masters and patch it (``AmpOptimizer``) onto the step path chosen. A
+    wrapper that shares an inner optimizer's param groups (LARC, Lookahead, SAM) steps through
+    the inner one, which amp takes over (``stepping_optimizer``)."""
+    stepper, wrappers = stepping_optimizer(opt)
+    for group in stepper.param_groups:
         masters = run.masters_for(group["params"], "amp.initialize")
         if isinstance(group["params"], list):
             # In place: an optimizer may hold the list itself (LBFGS keeps param_groups[0]
@@ -259,14 +260,18 @@ def take_over_optimizer(run: _Run, opt: torch.optim.Optimizer, unfused_why: str)
             group["params"][:] = masters
         else:
             group["params"] = masters
-    for pair in run.pairs:
-        if pair.model in opt.state:
-            opt.state[pair.master] = opt.state.pop(pair.model)
-    amp_opt = AmpOptimizer(opt, run)
+    # Optimizer state (the stepping one's, and a wrapper's own: slow weights) follows.
+    for state in {id(o.state): o.state for o in [stepper] + wrappers
+                  if isinstance(getattr(o, "state", None), dict)}.values():
+        for pair in run.pairs:
+            if pair.model in state:
+                state[pair.master] = state.pop(pair.model)
+    amp_opt = AmpOptimizer(stepper, run, given=opt)
     amp_opt.path = step_path.UnfusedStep(unfused_why) if unfused_why else \
-        step_path.FusedStep(opt, run.pairs)
-    amp_opt.install()
+        step_path.FusedStep(stepper, run.pairs)
+    amp_opt.install(wrappers)
     # apex's mark of an initialised optimizer, which engines that call initialize lazily
     # test with hasattr(optimizer, "_amp_stash"); what it holds is apex_lite's own state.
-    opt._amp_stash = amp_opt
+    for marked in [stepper] + wrappers:
+        marked._amp_stash = amp_opt
     run.optimizers.append(amp_opt)

@@ -240,11 +240,13 @@ class OptimizerAmpState:
         self._incoming: Optional[tuple] = None
         self._left_out: Optional[str] = None
 
-    def install(self) -> None:
-        opt = self.amp_opt.optimizer
-        opt.register_state_dict_post_hook(self._add)
-        opt.register_load_state_dict_pre_hook(self._take)
-        opt.register_load_state_dict_post_hook(self._load)
+    def install(self, optimizers) -> None:
+        """On each of ``optimizers`` (the stepping one, and wrappers around it with a
+        ``state_dict`` of their own, such as SAM's)."""
+        for opt in optimizers:
+            opt.register_state_dict_post_hook(self._add)
+            opt.register_load_state_dict_pre_hook(self._take)
+            opt.register_load_state_dict_post_hook(self._load)
 
     def _add(self, optimizer, state_dict: dict) -> dict:
         """state_dict post-hook: the run's loss scalers beside torch's state (plain numbers)."""

@@ -21,7 +21,7 @@ from torch.nn.modules import Module
 
 from .flat import (apply_flat_dist_call, extract_tensors, flat_dist_call, flatten,  # noqa: F401
                    split_by_type, split_half_float_double, unflatten)
-from ..amp.ddp import broadcast_masters
+from ..amp.ddp import apex_ddp_forward, broadcast_masters
 from .grad_allreduce import BucketPlan, Reduction
 
 __all__ = ["DistributedDataParallel", "Reducer", "flat_dist_call"]
@@ -216,7 +216,15 @@ class DistributedDataParallel(Module):
         self._reduction = None   # a backward that raised left its reduction unfinished
         if not self._disable_allreduce:
             self._refresh()
-        return self.module(*inputs, **kwargs)
+        # amp's forward hook on the module sees this wrapper (amp/ddp.py: gradient
+        # accumulation under disable_allreduce(), decisions without a collective).
+        with apex_ddp_forward(self):
+            return self.module(*inputs, **kwargs)
+
+    def reduces_next_backward(self) -> bool:
+        """Whether the backward of the forward now running all-reduces the gradients (not under
+        ``disable_allreduce()``)."""
+        return not self._disable_allreduce
 
     def _refresh(self) -> None:
         params = [p for p in self.module.parameters() if p.requires_grad]

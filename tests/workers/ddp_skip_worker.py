@@ -1,11 +1,14 @@
 """One rank of the two-process skip test (tests/test_distributed.py); not a test itself.
 
 Trains a DDP-wrapped O2 model for a few steps on gloo. At the step named by --inject-step, rank
---inject-rank alone writes inf into one of its gradients after DDP's all-reduce, so only its
-overflow check sees it. With --two-optimizers, the first and the last layer have an optimizer
-each, both given to the one scale_loss (the inf goes into the first layer's gradient: apex's rule
-skips both, on every rank). Saves the parameters, the loss scale and the skip history (per
-optimizer, whether its masters changed) to --out.
+--inject-rank alone writes inf into one of its gradients: in its backward, before DDP's
+all-reduce (a tensor hook), as an overflow happens; or with --no-ddp (each rank trains its own
+model, no gradient is reduced) after the backward, so that only its overflow check sees it and
+only the all-reduce of amp's flag (over --own-group or the default group) tells the others.
+With --two-optimizers, the first and the last layer have an optimizer each, both given to the
+one scale_loss (the inf goes into the first layer's gradient: apex's rule skips both, on every
+rank). Saves the parameters, the loss scale and the skip history (per optimizer, whether its
+masters changed) to --out.
 """
 import argparse
 import gc
@@ -31,6 +34,8 @@ def main():
     parser.add_argument("--fused-step", choices=["default", "true", "false"], default="default")
     parser.add_argument("--own-group", action="store_true",
                         help="pass initialize(process_group=) a group of this rank alone")
+    parser.add_argument("--no-ddp", action="store_true",
+                        help="no DDP: gradients stay each rank's own")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -49,7 +54,8 @@ def main():
     model, optimizers = amp.initialize(model, optimizers, opt_level="O2", verbosity=0,
                                        fused_step=fused_step,
                                        process_group=groups[rank] if groups else None)
-    model = DDP(model)
+    if not args.no_ddp:
+        model = DDP(model)
 
     data = torch.Generator().manual_seed(100 + rank)
     skipped, scales, stepped = [], [], []
@@ -60,10 +66,17 @@ def main():
             opt.zero_grad()
         before = [[p.detach().clone() for p in opt._apex_lite_amp.masters()]
                   for opt in optimizers]
+        inject = step == args.inject_step and rank == args.inject_rank
+        hook = None
+        if inject and not args.no_ddp:   # in the backward, before DDP's all-reduce
+            hook = next(model.parameters()).register_hook(
+                lambda g: g.flatten().index_fill(0, torch.tensor([3]), float("inf")).view_as(g))
         with amp.scale_loss(loss, optimizers) as scaled_loss:
             scaled_loss.backward()
-            if step == args.inject_step and rank == args.inject_rank:
+            if inject and args.no_ddp:
                 next(model.parameters()).grad.view(-1)[3] = float("inf")
+        if hook is not None:
+            hook.remove()
         for opt in optimizers:
             opt.step()
         stepped.append([any(not torch.equal(b, p) for b, p in
