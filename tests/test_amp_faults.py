@@ -101,7 +101,7 @@ def test_model_zero_grad_clears_o2_master_gradients_of_that_model_only(set_to_no
     assert all(m.grad is not None and m.grad.any() for m in masters_b)
     b.zero_grad(set_to_none=set_to_none)
     # Every gradient is gone: as after optimizer.zero_grad(); zeroed ones accumulate from zero.
-    assert opt._apex_lite_amp.grad_state == ("clean" if set_to_none else "unscaled")
+    assert opt._apex_lite_amp.grad_state.value == ("clean" if set_to_none else "unscaled")
     assert all(m.grad is None if set_to_none else not m.grad.any()
                for m in amp.master_params(opt))
 

@@ -273,8 +273,9 @@ def test_misuse_is_refused():
 
 
 def test_wrapping_moves_state_and_keeps_what_it_does_not_own():
-    """Half parameters are replaced by fp32 masters in param_groups, their state moved and cast;
-    fp32 and frozen parameters stay; param_groups, state and loss_scale are the optimizer's."""
+    """Half parameters are replaced by fp32 masters in param_groups, their state moved and cast,
+    frozen ones too (issue 49: a master that follows requires_grad, where apex left them); fp32
+    parameters stay; param_groups, state and loss_scale are the optimizer's."""
     model = Model(torch.bfloat16)
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(data(0)[0]).sum().backward()
@@ -282,13 +283,16 @@ def test_wrapping_moves_state_and_keeps_what_it_does_not_own():
     momentum = sgd.state[model.trunk[0].weight]["momentum_buffer"].clone()
     optimizer = FP16_Optimizer(sgd, static_loss_scale=8.0, verbose=False)
     params = optimizer.param_groups[0]["params"]
-    assert params[0] is model.frozen and params[-2] is model.head.weight
+    assert params[-2] is model.head.weight
+    frozen_master = params[0]
+    assert frozen_master.dtype == torch.float32 and not frozen_master.requires_grad
+    assert torch.equal(frozen_master, model.frozen.float())
     master = params[1]
     assert master.dtype == torch.float32 and master.requires_grad and master.is_leaf
     assert torch.equal(master, model.trunk[0].weight.float())
     assert optimizer.state[master]["momentum_buffer"].dtype == torch.float32
     assert torch.equal(optimizer.state[master]["momentum_buffer"], momentum.float())
-    assert optimizer.fp16_groups[0] == list(model.trunk.parameters())
+    assert optimizer.fp16_groups[0] == [model.frozen] + list(model.trunk.parameters())
     assert optimizer.fp32_from_fp32_groups[0] == list(model.head.parameters())
     optimizer.loss_scale = 32.0
     assert optimizer.loss_scaler.loss_scale() == 32.0
@@ -317,9 +321,11 @@ def test_step_with_a_closure():
         optimizer.backward(loss)
         return loss
 
-    first = optimizer.fp32_from_fp16_groups[0][0].clone()
+    trunk_master = 1   # after the frozen parameter's master
+    first = optimizer.fp32_from_fp16_groups[0][trunk_master].clone()
     loss = optimizer.step(closure)
-    assert torch.isfinite(loss) and not torch.equal(optimizer.fp32_from_fp16_groups[0][0], first)
+    assert torch.isfinite(loss) and \
+        not torch.equal(optimizer.fp32_from_fp16_groups[0][trunk_master], first)
     kept = model.trunk[0].weight.clone()
     optimizer.step(lambda: closure(1, bad=True))
     assert torch.equal(model.trunk[0].weight, kept) and optimizer.first_closure_call_this_step
@@ -328,7 +334,8 @@ def test_step_with_a_closure():
                                                                               max_iter=4))
     losses = [optimizer.step(closure).item() for _ in range(3)]
     assert losses[-1] < losses[0]
-    assert torch.equal(model.trunk[0].weight, optimizer.fp32_from_fp16_groups[0][0].half())
+    assert torch.equal(model.trunk[0].weight,
+                       optimizer.fp32_from_fp16_groups[0][trunk_master].half())
 
 
 # ---- the model helpers --------------------------------------------------------------------------

@@ -151,6 +151,11 @@ class Pairs:
         setattr(param, FP32_ATTR, pair)
         return pair
 
+    def adopt(self, model: torch.Tensor, master: torch.Tensor, name: str) -> ParamPair:
+        """A pair of a half parameter and an fp32 master that someone else made (apex's
+        FP16_Optimizer makes its masters as copies), which the rule of two_copies.py keeps."""
+        return self._add(ParamPair(model, master, name, 0))
+
     def _add(self, pair: ParamPair) -> ParamPair:
         pair._registry = weakref.ref(self)
         self.all.append(pair)

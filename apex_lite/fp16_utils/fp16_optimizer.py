@@ -26,7 +26,16 @@ Where apex_lite differs from apex (each a fix):
   or with no ``backward`` since the last step or ``zero_grad``, raises instead of applying stale
   master gradients;
 - parameters may live on any device, fp16 or bf16; apex's messages are logged (``logging``);
-- ``dynamic_loss_args['scale_factor']`` is honoured (apex ignored it).
+- ``dynamic_loss_args['scale_factor']`` is honoured (apex ignored it);
+- the two copies of a parameter follow amp's O2 rule (amp/two_copies.py): weights written into
+  the model after wrapping (``model.load_state_dict``, a re-initialisation) reach the masters at
+  the next ``update_master_grads()`` or ``step()``, where apex's step overwrote them with the
+  stale masters; a write to a master reaches the model at the next ``step()``; both written is
+  refused;
+- every half parameter of the optimizer gets a master, frozen ones too, following its
+  ``requires_grad``: a parameter frozen at wrapping and unfrozen later is stepped through its
+  master with its true gradient, where apex stepped the half parameter with the scaled one (and
+  an fp32 one unfrozen later has its gradient unscaled too).
 """
 from __future__ import annotations
 
@@ -35,7 +44,9 @@ from typing import List
 
 import torch
 
+from ..amp.pairs import Pairs
 from ..amp.scaler import fp32_scale_problem
+from ..amp.two_copies import TwoCopies
 from .fp16util import clip_grad_norm, master_grad_pairs
 from .loss_scaler import OptimizerLossScaler, scale_by_device
 
@@ -110,20 +121,22 @@ class FP16_Optimizer:   # noqa: N801 (apex's name)
         self.fp16_groups: List[List[torch.Tensor]] = []
         self.fp32_from_fp16_groups: List[List[torch.Tensor]] = []
         self.fp32_from_fp32_groups: List[List[torch.Tensor]] = []
+        # The two copies of each half parameter, under amp's O2 rule (amp/two_copies.py).
+        self._pairs = Pairs([])
+        self._copies = TwoCopies(self._pairs)
         for g, group in enumerate(init_optimizer.param_groups):
             self.maybe_print(f"FP16_Optimizer processing param group {g}:")
             halves, masters, fp32s = [], [], []
             for i, param in enumerate(group["params"]):
-                if not param.requires_grad:
-                    continue
                 self.maybe_print(f"FP16_Optimizer received {param.dtype} parameter with "
                                  f"{param.size()}")
                 if param.dtype == torch.float32:
                     fp32s.append(param)
                     continue
                 master = param.detach().clone().float()
-                master.requires_grad = True
+                master.requires_grad = param.requires_grad
                 group["params"][i] = master
+                self._pairs.adopt(param, master, f"param_groups[{g}]['params'][{i}]")
                 if param in init_optimizer.state:
                     init_optimizer.state[master] = init_optimizer.state.pop(param)
                 halves.append(param)
@@ -138,6 +151,7 @@ class FP16_Optimizer:   # noqa: N801 (apex's name)
         init_optimizer.load_state_dict(init_optimizer.state_dict())
         self.dynamic_loss_scale = bool(dynamic_loss_scale)
         self.loss_scaler = scaler
+        self._copies.record()
         self.overflow = False
         self.first_closure_call_this_step = True
         self.clip_grad_norm = clip_grad_norm
@@ -174,8 +188,7 @@ class FP16_Optimizer:   # noqa: N801 (apex's name)
 
     def _master_params_to_model_params(self):
         """The masters' values into the half model, rounded, in one fused pass per device."""
-        with torch.no_grad():
-            scale_by_device(self.all_fp32_from_fp16_params, self.all_fp16_params, 1.0, {})
+        self._copies.round_into_model()
 
     def _grads(self, params) -> List[torch.Tensor]:
         return [p.grad for p in params if p.grad is not None]
@@ -203,7 +216,9 @@ class FP16_Optimizer:   # noqa: N801 (apex's name)
     def state_dict(self):
         """apex's keys: ``loss_scaler`` (the scaler object), ``dynamic_loss_scale``,
         ``overflow``, ``first_closure_call_this_step``, ``optimizer_state_dict`` (the wrapped
-        optimizer's) and ``fp32_from_fp16`` (the masters, per group)."""
+        optimizer's) and ``fp32_from_fp16`` (the masters, per group; a write to either copy
+        since the last step taken in first)."""
+        self._copies.sync("FP16_Optimizer.state_dict()", compare_all=True)
         return {"loss_scaler": self.loss_scaler, "dynamic_loss_scale": self.dynamic_loss_scale,
                 "overflow": self.overflow,
                 "first_closure_call_this_step": self.first_closure_call_this_step,
@@ -239,11 +254,10 @@ class FP16_Optimizer:   # noqa: N801 (apex's name)
         self.dynamic_loss_scale = bool(state_dict["dynamic_loss_scale"])
         self.overflow = bool(state_dict["overflow"])
         self.first_closure_call_this_step = bool(state_dict["first_closure_call_this_step"])
-        with torch.no_grad():
-            for current, saved in zip(self.fp32_from_fp16_groups, state_dict["fp32_from_fp16"]):
-                for master, value in zip(current, saved):
-                    master.copy_(value)
-        self._master_params_to_model_params()
+        self._copies.load([(self._pairs.of_master(master), value)
+                           for current, saved in zip(self.fp32_from_fp16_groups,
+                                                     state_dict["fp32_from_fp16"])
+                           for master, value in zip(current, saved)])
 
     def step(self, closure=None):
         """Step the fp32 masters with the wrapped optimizer and copy them into the half model;
@@ -265,6 +279,7 @@ class FP16_Optimizer:   # noqa: N801 (apex's name)
         if closure is not None:
             return self._step_with_closure(closure)
         self._check_master_grads("step()")
+        self._copies.sync("FP16_Optimizer.step()")
         self._masters_fresh = False
         if self.overflow:
             self._log_skip()
@@ -347,6 +362,9 @@ class FP16_Optimizer:   # noqa: N801 (apex's name)
         parameters' gradients in place, checking them for inf and NaN (one fused pass per
         device), and make the skip decision (``self.overflow``; one host sync). A dynamic scale
         moves here."""
+        # Writes to the model since the last step reach the masters, and the masters follow
+        # their parameters' requires_grad, before the gradients go to them.
+        self._copies.sync("FP16_Optimizer.update_master_grads()")
         scaler = self.loss_scaler
         scaler.clear_overflow_state()
         current = scaler.loss_scale()
