@@ -48,7 +48,7 @@ def snapshot(model, optimizer=None):
     snap = {"params": [p.detach().clone() for p in model.parameters()]}
     if optimizer is not None:
         # What the optimizer updates, read without amp.master_params (which, between a backward
-        # and its step, would unscale the fused step's pending gradients into master gradients).
+        # and its step, would unscale the fused step's lazy gradients into master gradients).
         amp_opt = getattr(optimizer, "_apex_lite_amp", None)
         masters = amp_opt.masters() if amp_opt is not None else amp.master_params(optimizer)
         snap["masters"] = [p.detach().clone() for p in masters]

@@ -137,19 +137,19 @@ def _reference(clearing, n_opts, shared, inject, x):
 
 def _masters(opt):
     """What ``opt`` updates, read without materialising anything (amp.master_params would turn
-    the fused step's pending gradients into master gradients)."""
+    the fused step's lazy gradients into master gradients)."""
     return opt._apex_lite_amp.masters()
 
 
 def _true_grads(opt):
-    """The unscaled gradients ``opt`` is about to apply: the masters' (unfused) or, pending on the
+    """The unscaled gradients ``opt`` is about to apply: the masters' (unfused) or, lazy on the
     fused step, the model's divided by their loss scale."""
     amp_opt = opt._apex_lite_amp
     grads = []
     for master in amp_opt.masters():
         if amp_opt.grad_state == CHECKED:
             grad = amp_opt.run.pairs.model_of(master).grad
-            grads.append(None if grad is None else grad.float() * amp_opt.pending.inv)
+            grads.append(None if grad is None else grad.float() * amp_opt.held_scale.inv)
         else:
             grads.append(None if master.grad is None else master.grad.float().clone())
     return grads

@@ -262,7 +262,7 @@ def test_report_o2(fused_step):
     assert len(bf16) == 4 + 0 and len(fp32) == 2 + 2    # fc1, fc2 half; bn and conv fp32
     # The half gradients stay until they are cleared, as torch's .grad does; the unfused step
     # also holds fp32 master gradients, the fused step none (the fp32-kept params' own only:
-    # the O2 masters' are pending, made only if used).
+    # the O2 masters' are lazy, made only if used).
     half_grads = [p.grad for p in bf16]
     assert len(half_grads) == 4 and all(g is not None for g in half_grads)
     grads = [p.grad for p in masters if p.grad is not None and not is_lazy(p.grad)]

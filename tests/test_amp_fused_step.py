@@ -294,7 +294,7 @@ def test_no_host_sync_per_step_and_one_check_one_kernel_call(opt_name, monkeypat
     assert unscales == []
     assert syncs == 0
     run = amp.default_handle()._run
-    # No fp32 master gradient was made: each master shows its step's, pending.
+    # No fp32 master gradient was made: each master shows its step's, lazy.
     assert all(is_lazy(m.grad) for m in opt._apex_lite_amp.masters() if run.pairs.is_master(m))
     scaler = amp.loss_scalers()[0]
     assert (scaler.steps, scaler.skipped_steps, scaler.loss_scale) == (5, 1, 32768.0)

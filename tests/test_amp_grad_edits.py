@@ -437,7 +437,7 @@ def test_an_edit_of_a_kept_fp32_parameter_is_applied(fused):
 
 def test_unused_gradients_are_not_materialised_on_the_fused_step():
     """Where nothing uses the optimizer's gradients the fused step holds no fp32 master
-    gradient (its memory advantage): each master's .grad is a pending one, which holds no
+    gradient (its memory advantage): each master's .grad is a lazy one, which holds no
     memory; the first use of one makes them, once, for every master."""
     model, opt = _setup(True, _bn_net)
     amp_opt = opt._apex_lite_amp

@@ -204,14 +204,19 @@ def test_a_model_pickled_when_its_hooks_lived_in_handle_still_loads(monkeypatch)
     """The hooks kept with a model moved to amp/model_hooks.py; a model pickled before names
     them apex_lite.amp.handle.<class>, which must still resolve to the same classes."""
     from apex_lite.amp import model_hooks
-    kept = ("_DtypeGuard", "_ModelZeroGrad", "_MastersFollowModelLoads", "_Fp32StateDict")
-    for name in kept:   # pickled under their old module, as before the move
+    kept = ("_ModelZeroGrad", "_MastersFollowModelLoads", "_Fp32StateDict")
+    for name in kept + ("_DtypeGuard",):   # pickled under their old module, as before the move
         monkeypatch.setattr(getattr(model_hooks, name), "__module__", "apex_lite.amp.handle")
     model = amp.initialize(Net(), opt_level="O2", verbosity=0)
     data = pickle.dumps(model)
+    # The forward pre-hook of those models (_BeforeForward does its work now): it unpickles,
+    # and does nothing.
+    guard = pickle.dumps(model_hooks._DtypeGuard(None, 0))
     monkeypatch.undo()
     for name in kept:
         assert b"apex_lite.amp.handle" in data and name.encode() in data
+    assert b"apex_lite.amp.handle" in guard
+    assert pickle.loads(guard)(Net(), ()) is None
     clone = pickle.loads(data)
     assert isinstance(clone.zero_grad, model_hooks._ModelZeroGrad)
     x = torch.randn(4, 8)

@@ -167,7 +167,7 @@ def nonfinite_gradient_names(run, amp_optimizers, evidence=None) -> List[str]:
                         names.append(run.param_name(p))
             continue
         for group in amp_opt.groups().values():
-            # The master's gradient, or on the fused step (a pending one) the model's (still
+            # The master's gradient, or on the fused step (a lazy one) the model's (still
             # scaled, which does not change whether it is finite).
             pairs = [(model_param, model_param.grad if master.grad is None
                       or is_lazy(master.grad) else master.grad)

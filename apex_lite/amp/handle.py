@@ -23,7 +23,8 @@ from .init_checks import as_list as _as_list
 from .model_hooks import (_DtypeGuard, _Fp32StateDict, _MastersFollowModelLoads,  # noqa: F401
                           _ModelZeroGrad)
 from .opt_levels import HALF_DTYPES, OPT_LEVELS, resolve_properties
-from .optimizer import AmpOptimizer, amp_optimizer_of, stepping_optimizer
+from .optimizer import AmpOptimizer
+from .optimizer_hooks import amp_optimizer_of, stepping_optimizer
 from .overflow import OverflowCheck, is_logging_rank
 from .run import _DisabledRun, _Run
 from .scaler import DEFAULT_SCALE_WINDOW, DEFAULT_SYNC_INTERVAL, LossScaler
@@ -240,7 +241,7 @@ class AmpHandle:
             delay_unscale = True
         check = None
         if not delay_unscale:
-            delayed = [l for amp_opt in amp_opts for l in amp_opt.pending_losses]
+            delayed = [l for amp_opt in amp_opts for l in amp_opt.delayed_losses]
             check = OverflowCheck(scaler, loss, optimizers=amp_opts, flag_pool=run.flag_pool,
                                   process_group=run.process_group, delayed_losses=delayed,
                                   reduced=reduces is True)

@@ -11,7 +11,7 @@ import torch
 
 from . import casting
 from .opt_levels import HALF_DTYPES, OPT_LEVELS, Properties
-from .optimizer import MARK, stepping_optimizer
+from .optimizer_hooks import MARK, stepping_optimizer
 
 
 # The rule that initialize and add_param_group enforce, and why.

@@ -1,50 +1,45 @@
-"""An optimizer under amp: its gradients' states, what its ``step()`` refuses, and when it skips.
+"""An optimizer under amp: its gradients' state, what its ``step()`` refuses, and when it skips.
 
-``initialize`` patches three methods on the optimizer instance (its class and its identity stay,
-so LR schedulers created before or after keep working): ``step``, ``zero_grad`` and
-``add_param_group``. ``state_dict`` / ``load_state_dict`` keep torch's: under O2 the
-``param_groups`` hold the fp32 masters themselves, so optimizer state is keyed by, saved from and
-loaded into fp32 tensors. torch's state_dict hooks add one thing: the amp state (the run's loss
-scalers) travels under the key ``AMP_STATE_KEY`` of the optimizer's own ``state_dict()``
-(saved_state.py).
+``initialize`` patches three methods on the instance of the optimizer that steps (its class and
+its identity stay, so LR schedulers created before or after keep working): ``step``,
+``zero_grad`` and ``add_param_group``. An optimizer that wraps another and shares its
+``param_groups`` (LARC, Lookahead, SAM) steps through the inner one (``stepping_optimizer``),
+which amp takes over; the wrapper's ``zero_grad`` and ``add_param_group`` are amp's too, its
+``step`` its own. amp's ``step`` runs the optimizer's own ``step`` as code set it (its class's,
+or a wrapper set on the instance before ``initialize``), with amp's update in place of the
+class's (``_StepInPlace``), so that wrappers and torch's step hooks run on every step path.
+``state_dict`` / ``load_state_dict`` keep torch's: under O2 the ``param_groups`` hold the fp32
+masters themselves, so optimizer state is keyed by, saved from and loaded into fp32 tensors.
+torch's state_dict hooks add one thing: the amp state (the run's loss scalers) travels under the
+key ``AMP_STATE_KEY`` of the optimizer's own ``state_dict()`` (saved_state.py).
 
-Gradient bookkeeping per optimizer (``grad_state``):
-- CLEAN: no gradient since ``zero_grad`` (or gradients that are None / zero);
-- SCALED: gradients hold a backward still multiplied by the loss scale (``delay_unscale=True``);
-- UNSCALED: gradients hold true values (under O2 in the masters' fp32 gradients); another
-  backward is accumulated with ``axpby`` into them;
-- CHECKED (the fused step only): the half model gradients hold one backward (or a delay_unscale
-  accumulation) still multiplied by the loss scale, checked for inf/NaN when its ``scale_loss``
-  exited; the step's kernel unscales them (the fp32 parameters' were unscaled in place then).
-  Another backward, ``amp.master_params`` or a read of a master's ``.grad`` (master_grads.py)
-  first unscales them into the masters' gradients (UNSCALED).
-
-How the update is applied is the optimizer's step path (``step_path.py``), chosen at
-``initialize``: the unfused step (unscale at the end of ``scale_loss``, the optimizer's own
-``step()``, a copy back to the half model) or the fused step (a read-only check at the end of
-``scale_loss``, one kernel pass at ``step()``). The rules here hold on both.
+The gradients' state per optimizer (``grad_state``, a ``GradState``, master_grads.py): CLEAN,
+SCALED (``delay_unscale``, or a backward under DDP's ``no_sync()``), UNSCALED, CHECKED (the fused
+step). The step paths return the state a backward leaves (step_path.py). How the update is
+applied is the optimizer's step path, chosen at ``initialize``: the unfused step (unscale at the
+end of ``scale_loss``, the optimizer's own update, a copy back to the half model) or the fused
+step (a read-only check at the end of ``scale_loss``, one kernel pass at ``step()``). The rules
+here hold on both.
 
 Accumulation follows torch's rule on the unscaled values: a gradient accumulates until it is
-cleared, however it is cleared. Under O2 the model's half ``.grad`` stays in place after the
-unscale (its values live on, unscaled, in the master's fp32 ``.grad``) as the sign that the user
-has not cleared it: a backward into a model parameter whose ``.grad`` was set to None (by
-``zero_grad``, ``model.zero_grad`` or by hand) starts its master gradient afresh, one whose
-``.grad`` is still there adds to it. So O2 master gradients never carry a finished step into the
-next one unless the model's gradients were left uncleared, as plain torch would accumulate them.
+cleared, however it is cleared. Under O2 clearing either copy's gradient clears it: a master's
+(``zero_grad``, ``p.grad = None``), or its half parameter's (``model.zero_grad()``, by hand),
+after which the next backward starts the master gradient afresh; one still there is added to
+(master_grads.py).
 
 What ``step()`` refuses, before it changes anything: a step inside the ``scale_loss`` block (the
 gradients are still scaled), gradients still scaled by ``delay_unscale``, a ``scale_loss`` block
 that ran no backward, a second step on the same gradients, an O2 model's half gradient edited
 after its ``scale_loss`` (grad_edits.py; also refused by the next ``scale_loss`` of an
-accumulation), and gradients that no ``scale_loss`` for this optimizer unscaled (a backward outside ``scale_loss``, or a ``scale_loss`` that fed this
-optimizer's parameters without being given the optimizer).
+accumulation), and gradients that no ``scale_loss`` for this optimizer unscaled (a backward
+outside ``scale_loss``, or a ``scale_loss`` that fed this optimizer's parameters without being
+given the optimizer).
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import types
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -53,6 +48,7 @@ from .grad_edits import HalfGradEdits
 from .master_grads import GradState, is_lazy
 from .model_hooks import BackwardWatches
 from .opt_params import OptimizerParams, _DeviceGroup
+from .optimizer_hooks import MARK, _make_method, _StepInPlace  # noqa: F401  (MARK: its old home)
 from .overflow import OverflowCheck
 # AMP_STATE_KEY is also importable here, where it was defined before saved_state.py.
 from .saved_state import AMP_STATE_KEY, OptimizerAmpState  # noqa: F401
@@ -60,46 +56,6 @@ from .scaler import BackwardScale
 
 CLEAN, SCALED, UNSCALED, CHECKED = (GradState.CLEAN, GradState.SCALED, GradState.UNSCALED,
                                     GradState.CHECKED)
-
-# The attribute that marks what ``initialize`` took over: on an optimizer, its ``AmpOptimizer``
-# (``optimizer._apex_lite_amp``); on a model, the opt level.
-MARK = "_apex_lite_amp"
-
-def stepping_optimizer(optimizer) -> Tuple[torch.optim.Optimizer, List]:
-    """The optimizer whose ``step`` updates ``optimizer``'s parameters, and the wrappers above
-    it: an optimizer that wraps another and shares its ``param_groups`` (LARC, Lookahead, SAM,
-    torch's PostLocalSGDOptimizer) steps through it, as ``optimizer`` itself does otherwise."""
-    wrappers = []
-    while True:
-        inner = _wrapped(optimizer)
-        if inner is None:
-            return optimizer, wrappers
-        wrappers.append(optimizer)
-        optimizer = inner
-
-
-def _wrapped(optimizer) -> Optional[torch.optim.Optimizer]:
-    """The optimizer that ``optimizer`` holds as an attribute and shares ``param_groups`` with."""
-    groups = getattr(optimizer, "param_groups", None)
-    if groups is None:
-        return None
-    for value in vars(optimizer).values():
-        if value is not optimizer and isinstance(value, torch.optim.Optimizer) \
-                and getattr(value, "param_groups", None) is groups:
-            return value
-    return None
-
-
-def amp_optimizer_of(optimizer) -> Optional["AmpOptimizer"]:
-    """The ``AmpOptimizer`` of ``optimizer``: its own mark, or that of the optimizer it wraps
-    and shares ``param_groups`` with (a Lookahead built around an amp optimizer after
-    ``initialize``); None when neither went through ``initialize``."""
-    while optimizer is not None:
-        amp_opt = getattr(optimizer, MARK, None)
-        if amp_opt is not None:
-            return amp_opt
-        optimizer = _wrapped(optimizer)
-    return None
 
 
 class AmpOptimizer:
@@ -113,9 +69,9 @@ class AmpOptimizer:
         self.given = optimizer if given is None else given
         self.run = run
         self.grad_state = CLEAN
-        # The scale of SCALED or CHECKED gradients, and the losses behind SCALED ones.
-        self.pending: Optional[BackwardScale] = None
-        self.pending_losses: List[torch.Tensor] = []
+        # The scale SCALED or CHECKED gradients still hold, and the losses behind SCALED ones.
+        self.held_scale: Optional[BackwardScale] = None
+        self.delayed_losses: List[torch.Tensor] = []
         self.checks: List[OverflowCheck] = []
         # step() since the last backward: a second step() would apply the same gradients again.
         self.stepped_since_backward = False
@@ -167,7 +123,7 @@ class AmpOptimizer:
         self.saved_state.install([opt] + [w for w in wrappers
                                           if hasattr(w, "_optimizer_state_dict_post_hooks")])
         self.watches.watch([p for group in opt.param_groups for p in group["params"]])
-        # Gradients an earlier initialize's fused step left pending belong to its run.
+        # Lazy gradients an earlier initialize's fused step left belong to its run.
         for master in self.masters():
             if is_lazy(master.grad):
                 master.grad = None
@@ -189,7 +145,7 @@ class AmpOptimizer:
 
     # ---- scale_loss's two halves ----------------------------------------------------------
     def check_can_accumulate(self, scale: BackwardScale) -> None:
-        """Raise, before any backward, when the next backward cannot join the pending one. CHECKED
+        """Raise, before any backward, when the next backward cannot join the held one. CHECKED
         gradients that the next backward would add to are unscaled into the masters' gradients
         first (accumulation is in fp32, as on the unfused step)."""
         if self.grad_state in (CHECKED, UNSCALED):   # edited half gradients would be added
@@ -201,11 +157,11 @@ class AmpOptimizer:
                 self.materialize_master_grads()
             else:
                 self._reset(set_to_none=True)   # all cleared by hand since: as after zero_grad
-        if self.grad_state == SCALED and self.pending.token != scale.token:
+        if self.grad_state == SCALED and self.held_scale.token != scale.token:
             raise RuntimeError(
                 f"delay_unscale=True left this optimizer's gradients multiplied by "
-                f"{self.pending.describe()}, but this scale_loss uses {scale.describe()}"
-                f"{'' if scale.loss_id != self.pending.loss_id else ' (it changed since)'}. "
+                f"{self.held_scale.describe()}, but this scale_loss uses {scale.describe()}"
+                f"{'' if scale.loss_id != self.held_scale.loss_id else ' (it changed since)'}. "
                 f"Accumulate under one loss_id, or pass delay_unscale=False so each backward is "
                 f"unscaled on its own.")
 
@@ -234,8 +190,8 @@ class AmpOptimizer:
         if delay_unscale:
             self.restore_stash(stash)   # empty: a CLEAN or SCALED optimizer stashes nothing
             self.grad_state = SCALED
-            self.pending = scale
-            self.pending_losses.append(loss.detach())
+            self.held_scale = scale
+            self.delayed_losses.append(loss.detach())
             self.stepped_since_backward = False
             return
         try:
@@ -245,8 +201,8 @@ class AmpOptimizer:
             # initialize. Name it; anything else is re-raised as it was.
             self.raise_moved("amp.scale_loss")
             raise
-        self.pending = scale if self.grad_state == CHECKED else None
-        self.pending_losses = []
+        self.held_scale = scale if self.grad_state == CHECKED else None
+        self.delayed_losses = []
         self.checks.append(check)
         self.stepped_since_backward = False
         self.grad_edits.record(self)
@@ -371,7 +327,7 @@ class AmpOptimizer:
     def _drop_cleared(self) -> None:
         """O2: a half gradient cleared since its ``scale_loss`` (``model[0].zero_grad()``,
         ``p.grad = None``) is applied as fp32 training applies it: the parameter is not updated.
-        Its master's true gradient is dropped (the fused step's pending one needs nothing: the
+        Its master's true gradient is dropped (the fused step's lazy one needs nothing: the
         kernel skips a parameter whose half gradient is gone, and a later read makes None)."""
         if self.grad_state != UNSCALED:
             return
@@ -413,8 +369,8 @@ class AmpOptimizer:
         for check in self.checks:
             check.resolve()
         self.grad_state = CLEAN
-        self.pending = None
-        self.pending_losses = []
+        self.held_scale = None
+        self.delayed_losses = []
         self.checks = []
         self.missing_backward = False
         self.foreign_backward = False
@@ -466,7 +422,7 @@ class AmpOptimizer:
         they are the gradients it applied, as the unfused step leaves them."""
         self.grad_state = self.path.materialize(self)
         if self.grad_state != CHECKED:
-            self.pending = None
+            self.held_scale = None
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the true gradients the next step() applies to ``max_norm``; their total norm."""
@@ -478,77 +434,3 @@ _UNSCALED_FIX = (
     "every optimizer whose parameters the loss reaches: `with amp.scale_loss(loss, "
     "[optimizer_a, optimizer_b]) as scaled: scaled.backward()`, or zero this optimizer's "
     "gradients (optimizer.zero_grad()) before the backward it should step on.")
-
-
-class _StepInPlace:
-    """A step pre-hook and post-hook on an optimizer, with which amp runs its own update inside
-    the optimizer's own ``step`` (``AmpOptimizer._own_step``): armed with an update, the
-    pre-hook runs it and hides the optimizer's param groups (an empty list in their place), so
-    that the class's update finds nothing to do; the post-hook gives them back. Disarmed, the
-    hooks do nothing (the unfused step runs the class's update itself)."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer):
-        self.optimizer = optimizer
-        self.update: Optional[Callable[[], None]] = None
-        self.hidden = None
-        self.pre = optimizer.register_step_pre_hook(self._pre)
-        self.post = optimizer.register_step_post_hook(self._post)
-
-    @staticmethod
-    def applies(optimizer) -> bool:
-        """Whether ``optimizer``'s class step runs torch's step hooks (torch.optim.Optimizer's
-        ``profile_hook_step``, put on the class by ``Optimizer.__init__``)."""
-        return isinstance(optimizer, torch.optim.Optimizer) and \
-            getattr(type(optimizer).step, "hooked", False) and \
-            hasattr(optimizer, "_optimizer_step_pre_hooks")
-
-    @contextlib.contextmanager
-    def armed(self, update: Callable[[], None]):
-        # The last pre-hook and the first post-hook: hooks registered after initialize see the
-        # parameters as any step shows them.
-        self.optimizer._optimizer_step_pre_hooks.move_to_end(self.pre.id)
-        self.optimizer._optimizer_step_post_hooks.move_to_end(self.post.id, last=False)
-        self.update = update
-        try:
-            # A wrapper that does not call the class step (one that skips it) steps nothing,
-            # as it would without amp.
-            yield
-        finally:
-            self.update = None
-            self._give_back()
-
-    def _pre(self, optimizer, args, kwargs):
-        update, self.update = self.update, None
-        if update is not None:
-            update()
-            self.hidden = optimizer.param_groups
-            optimizer.param_groups = []
-        return None
-
-    def _post(self, optimizer, args, kwargs):
-        self._give_back()
-
-    def _give_back(self) -> None:
-        if self.hidden is not None:
-            self.optimizer.param_groups, self.hidden = self.hidden, None
-
-
-def _make_method(name: str):
-    """A fresh function per optimizer (so attributes set on one do not leak to another) that
-    delegates to the optimizer's ``AmpOptimizer``; bound to the instance with MethodType, the
-    form torch's LR schedulers expect of ``optimizer.step``. ``torch.compile`` of code that calls
-    ``optimizer.step()`` runs amp's step as it is (a graph break there): it is host bookkeeping
-    around one fused kernel call per bucket, nothing a compiler would speed up, and the host
-    decisions it makes (skips, refusals) must happen each step, not once at tracing."""
-    if name == "step":
-        def step(optimizer, closure=None):
-            return optimizer._apex_lite_amp.step(closure)
-        return torch.compiler.disable(step)
-    if name == "zero_grad":
-        def zero_grad(optimizer, set_to_none: bool = True):
-            return optimizer._apex_lite_amp.zero_grad(set_to_none)
-        return zero_grad
-
-    def add_param_group(optimizer, param_group):
-        return optimizer._apex_lite_amp.add_param_group(param_group)
-    return add_param_group

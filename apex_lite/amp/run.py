@@ -18,7 +18,8 @@ from .opt_params import MOVED_FIX
 from .pairs import Pairs
 from .two_copies import TwoCopies
 from .opt_levels import HALF_DTYPES, Properties
-from .optimizer import MARK, AmpOptimizer, stepping_optimizer
+from .optimizer import AmpOptimizer
+from .optimizer_hooks import MARK, stepping_optimizer
 from .overflow import DecisionLog, FlagPool
 from .scaler import LossScaler
 

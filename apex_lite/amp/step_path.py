@@ -17,14 +17,16 @@ Each amp optimizer has one step path, chosen by ``initialize`` (``choose``):
   writes the rounded half parameter, and changes nothing where the step's ``found_inf`` flag is
   set. No fp32 master gradient is held, and with the loss scale on the device (every optimizer of
   the run fused) nothing is read on the host. A second backward before the step,
-  ``amp.master_params``, or a read of a master's ``.grad`` (the masters are ``FusedMaster``s,
-  master_grads.py) unscales the CHECKED gradients into fp32 master gradients (UNSCALED) and the
-  step reads those, with whatever was done to them.
+  ``amp.master_params``, or the first use of a master's lazy ``.grad`` (master_grads.py) makes
+  the CHECKED gradients into fp32 master gradients (UNSCALED) and the step reads those, with
+  whatever was done to them.
 
 Both paths share ``AmpOptimizer``'s bookkeeping: what accumulates, what ``step()`` refuses, which
-optimizer skips. A path decides three things only: what the end of a ``scale_loss`` does with the
-new gradients (``end_backward``), how ``step()`` applies them (``apply``), and how the masters get
-true gradients on request (``materialize``, ``clip_grad_norm_``).
+optimizer skips. A path decides three things only, each returning the gradients' state it leaves
+(``GradState``): what the end of a ``scale_loss`` does with the new gradients
+(``end_backward``), how ``step()`` applies them (``apply``), and how the masters get true
+gradients on request (``materialize``, ``clip_grad_norm_``). Either runs inside the optimizer's
+own ``step`` (``AmpOptimizer._own_step``), so that wrappers and hooks set on it run.
 
 Why only O2: at O1 the fused step would leave the model's ``.grad`` scaled after ``scale_loss``,
 where apex and the unfused step leave true gradients that user code clips and reads; at O3 torch
@@ -183,7 +185,7 @@ class FusedStep:
         # amp.clip_grad_norm_ before this step: (coefficient, non-finite norm) device tensors.
         self.clip: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
         self._buckets: Optional[List[_Bucket]] = None
-        self._built_for: Tuple[int, int] = (0, 0)
+        self._built_for: Tuple[int, int, int] = (0, 0, -1)
         self._scalars: Dict[Tuple[torch.device, str], torch.Tensor] = {}
 
     def describe(self) -> str:
@@ -240,7 +242,7 @@ class FusedStep:
                 group.grads is not None and group.grads.written() for group in groups.values()):
             amp_opt.materialize_master_grads()
         from_masters = amp_opt.grad_state != CHECKED
-        inv = amp_opt.pending.inv if amp_opt.grad_state == CHECKED else 1.0
+        inv = amp_opt.held_scale.inv if amp_opt.grad_state == CHECKED else 1.0
         # Kept after the step: the gradients a read after it makes are the ones applied.
         clip = self.clip
         state = watch_state(self.optimizer)   # before the buckets, which key on its identity
@@ -289,7 +291,8 @@ class FusedStep:
     def buckets(self) -> List[_Bucket]:
         """Built once per parameter set: rebuilt when ``param_groups`` or ``state`` is replaced
         (``load_state_dict``) or amp says so (``invalidate``: ``add_param_group``)."""
-        signature = (id(self.optimizer.param_groups), id(self.optimizer.state))
+        signature = (id(self.optimizer.param_groups), id(self.optimizer.state),
+                     self.pairs.generation)
         if self._buckets is None or self._built_for != signature:
             buckets: Dict[Tuple[int, torch.device, bool], _Bucket] = {}
             seen = set()
@@ -362,7 +365,7 @@ class FusedStep:
                     squares.append(fsdp_norms.squared_norm(grads).to(anchor))
         if anchor is None:
             return torch.zeros((), dtype=torch.float32)
-        inv = amp_opt.pending.inv
+        inv = amp_opt.held_scale.inv
         norm = None
         if half_squares:
             norm = torch.cat(half_squares).sum().sqrt() * (
