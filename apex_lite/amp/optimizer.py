@@ -278,7 +278,8 @@ class AmpOptimizer:
             self._refuse_gradients_amp_did_not_unscale()
         self.grad_edits.refuse(self, caller)
         self._drop_cleared()
-        self.run.copies.sync(caller)
+        copies = self.run.copies
+        copies.sync(caller, compare_all=len(copies.pairs) > 0 and copies.first("step"))
         checks = self.checks
         # The optimizer's own step gets a closure that returns the loss amp computed first.
         replayed = closures.replayed(self, closure, closure_loss)

@@ -33,12 +33,12 @@ bumping its counter) of both copies, compared with those recorded after amp's ow
 host integers, no device sync, one C++ loop per device on the native backend. Every write amp
 makes to either copy goes through this module (or the step's kernels, after which the step
 records) and ends in ``record``. The check runs at fixed points (``sync``): the model's forward
-pre-hook, the end of every ``scale_loss``, every ``step()`` before the update, ``amp.master_params``
-and every ``state_dict()`` of the model or of amp. A write that bypasses the counters (an
-in-place op through ``p.data``, or ``dist.broadcast`` into a tensor) is seen by comparing the
-values: once at the first forward (a hand sync-init with ``dist.broadcast``), and at every
-``state_dict()``, so a checkpoint holds it; write under ``torch.no_grad()`` (``p.copy_(w)``) for
-training to go on from it.
+pre-hook, the end of every ``scale_loss``, every ``step()`` before the update,
+``amp.master_params`` and every ``state_dict()`` of the model or of amp. A write that bypasses
+the counters (an in-place op through ``p.data``, or ``dist.broadcast`` into a tensor) is seen by
+comparing the values: at the first forward and the first step (a hand sync-init with
+``dist.broadcast``), and at every ``state_dict()``, so a checkpoint holds it; write under
+``torch.no_grad()`` (``p.copy_(w)``) for training to go on from it.
 
 A master follows its parameter's ``requires_grad`` both ways (a layer unfrozen or frozen), so that
 whoever reads the optimizer's ``param_groups`` (mmengine's clipping keeps ``p.requires_grad and
@@ -73,8 +73,9 @@ class TwoCopies:
         self._watches: List[Tuple[object, List[ParamPair]]] = []
         # A forward of one of the run's models started since the last check.
         self.forward_since_check = False
-        # The values were compared once, at the first forward (writes no counter shows).
-        self.compared_once = False
+        # The values were compared at the first forward and at the first step (writes no
+        # counter shows: a hand sync-init with dist.broadcast, before or after a first forward).
+        self.compared = set()
         # Kernels that write both copies in one pass (the fused step) say so; amp records then.
         self._scratch: Dict[torch.device, torch.Tensor] = {}
 
@@ -102,9 +103,16 @@ class TwoCopies:
         inside a DDP, whose constructor wrote rank 0's half values into every rank's model and
         whose masters amp broadcasts next (ddp.py): those writes are taken where they changed
         a value, so that rank 0 keeps its fp32 bits for the broadcast."""
-        self.sync("forward", compare_all=not self.compared_once, partial=before_broadcast)
-        self.compared_once = True
+        self.sync("forward", compare_all=self.first("forward"), partial=before_broadcast)
         self.forward_since_check = True
+
+    def first(self, point: str) -> bool:
+        """Whether this is the first check at ``point`` ("forward", "step"), where the values
+        are compared once."""
+        if point in self.compared:
+            return False
+        self.compared.add(point)
+        return True
 
     def sync(self, caller: str, compare_all: bool = False, partial: bool = False) -> None:
         """Carry every write made since the last record to the other copy, and every change of
