@@ -250,7 +250,10 @@ class MasterGrads:
             self.made = []
         holding = list(self.slots.give())
         self.factor = factor.clone() if isinstance(factor, torch.Tensor) else float(factor)
-        made = [i for i in self.made if self.models[i].grad is not None]   # live ones
+        # Made lazy gradients still on their masters (after zero_grad(set_to_none=False)); a
+        # made one whose master holds its value is among ``holding``.
+        made = [i for i in self.made if self.models[i].grad is not None
+                and self.masters[i].grad is self.lazies[i]]
         self.zeroed = False
         if not holding and not made:
             return True
