@@ -129,11 +129,9 @@ class TwoCopies:
             n = len(pairs)
             if not written and not flipped and not compare_all:
                 continue
-            to_model, to_master = [], []
-            model_written = set()
-            for i in written:
-                if i < n:
-                    model_written.add(i)
+            # Indices below n are half parameters, from n on their masters.
+            model_written = {i for i in written if i < n}
+            to_model = []
             for i in written:
                 if i >= n:
                     if i - n in model_written:
@@ -142,8 +140,8 @@ class TwoCopies:
             to_master = [pairs[i] for i in sorted(model_written)]
             for pair in to_model + to_master:
                 _check_shapes(caller, pair)
-            plans.append((watch, pairs, to_model, to_master, [pairs[i] for i in flipped
-                                                                 if i < n]))
+            plans.append((watch, pairs, to_model, to_master,
+                          [pairs[i] for i in flipped if i < n]))
         for watch, pairs, to_model, to_master, flipped in plans:
             for pair in flipped:
                 if pair.master.requires_grad != pair.model.requires_grad:
