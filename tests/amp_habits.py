@@ -105,3 +105,20 @@ def assert_close_bf16(actual, expected, atol=BF16_ATOL, rtol=1e-2):
             torch.testing.assert_close(a.float(), e.float(), atol=atol, rtol=rtol)
     else:
         torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
+
+
+def warm_up(levels=("O1", "O2")):
+    """One step of a tiny model at each level on each step path, and under torch.amp: what torch
+    and amp import on first use (torch._dynamo with the first optimizer, ~1.5 s), imported now.
+    For workers that fork a process per case after it."""
+    for level in levels:
+        for path in (PATHS if level in ("O2", "O5") else ["unfused"]):
+            model = torch.nn.Linear(2, 2)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            model, optimizer = initialize(model, optimizer, level, path)
+            backward(model(torch.ones(1, 2)).float().sum(), optimizer, level)
+            optimizer.step()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.nn.Linear(2, 2)(torch.ones(1, 2))
+    torch.amp.GradScaler("cpu")
+    amp.default_handle().__init__()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -255,7 +256,8 @@ def dlpack_runs(tmp_path_factory):
     so that torch is imported once), with their exit codes and what they exported."""
     out = tmp_path_factory.mktemp("dlpack")
     result = subprocess.run([sys.executable, str(DLPACK), "--out", str(out), *DLPACK_CASES],
-                            capture_output=True, text=True, timeout=300)
+                            capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stdout + result.stderr
     return json.loads((out / "results.json").read_text())
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from amp_habits import (RUNS, all_ids, assert_close_bf16, assert_path, backward, initialize,
+from amp_habits import (all_ids, assert_close_bf16, assert_path, backward, initialize,
                         loss_of, mlp, params, weights, xfail_where)
 from apex_lite import amp
 

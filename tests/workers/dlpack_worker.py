@@ -11,8 +11,9 @@ itself, as lists.
 import argparse
 import json
 import os
-import sys
+import resource
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -21,9 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # tests/: amp_
 import torch  # noqa: E402
 import torch.utils.dlpack  # noqa: E402
 
-from amp_habits import backward, initialize, loss_of, mlp, params  # noqa: E402
+from amp_habits import backward, initialize, loss_of, mlp, params, warm_up  # noqa: E402
 
-CASE_SECONDS = 150
+CASE_SECONDS = 60
 
 
 def run_case(case: str) -> dict:
@@ -47,12 +48,16 @@ def main():
     parser.add_argument("cases", nargs="+")
     args = parser.parse_args()
     out = Path(args.out)
+    # One thread: a child forked after an OpenMP pool started would hang in it.
+    torch.set_num_threads(1)
+    warm_up(("O2",))       # what torch and amp import on first use, once before the forks
     children = {}
     for case in args.cases:
         log = out / f"{case}.log"
         pid = os.fork()
         if pid == 0:                                   # the case's own process
             code = 1
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))   # a crash writes no core file
             try:
                 fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
                 os.dup2(fd, 1)
@@ -85,7 +90,8 @@ def main():
     results = {}
     for case, code in codes.items():
         result = json.loads((out / f"{case}.json").read_text()) if code == 0 else {}
-        result.update(exit=code, output=(out / f"{case}.log").read_text()[-2000:])
+        log = out / f"{case}.log"
+        result.update(exit=code, output=log.read_text()[-2000:] if log.exists() else "")
         results[case] = result
     (out / "results.json").write_text(json.dumps(results))
 
