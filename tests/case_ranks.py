@@ -15,6 +15,7 @@ import math
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 from typing import Dict, List, Sequence
 
@@ -65,11 +66,11 @@ def run(module: str, cases: Sequence[str], out: Path, case_seconds: float = 60,
     procs = gloo_ranks.start(WORKER, ["--module", module, "--out", str(out), "--case-seconds",
                                       str(case_seconds), "--jobs", str(jobs), *cases], WORLD)
     # Every wave of cases within its deadline, and the start of the workers.
-    deadline = case_seconds * math.ceil(len(cases) / jobs) + 120
+    deadline = time.monotonic() + case_seconds * math.ceil(len(cases) / jobs) + 120
     outputs = []
     try:
         for proc in procs:
-            outputs.append(proc.communicate(timeout=deadline)[0])
+            outputs.append(proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
     except subprocess.TimeoutExpired:
         outputs.append("(the table passed its deadline: every rank and case was killed)")
     finally:

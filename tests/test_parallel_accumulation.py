@@ -5,7 +5,8 @@ Gradient accumulation over micro-batches under torch DDP's ``no_sync()`` and ape
 trains as torch.amp does (autocast in bf16 and GradScaler, the same loop); ``Join([ddp])`` with
 uneven inputs finishes; a ``no_grad`` forward through the DDP model on rank 0 alone, then a
 barrier, then training, finishes. Beside them, what holds today and must keep holding: plain
-DDP at O5 against torch.amp, and a checkpoint taken on rank 0 resumed by every rank, bitwise.
+DDP at O5 against torch.amp, one rank's overflow skipping the step on both at O5, and a
+checkpoint taken on rank 0 resumed by every rank, bitwise.
 
 Every case runs in its own pair of processes with a deadline (tests/case_ranks.py: a hang fails
 its case and kills it, and the others still run), all of them from one start of two workers for
@@ -89,6 +90,15 @@ def test_plain_ddp_at_o5_keeps_the_ranks_equal_and_trains_as_torch_amp(cases, ru
     r0, r1 = cases[f"plain-{run}"].results()
     _assert_ranks_bitwise_equal(r0, r1, run)
     _assert_close_to(r0, cases["plain-torch.amp"].results()[0], f"{run} against torch.amp")
+
+
+@pytest.mark.parametrize("run", ["O5-fused", "O5-unfused"])
+def test_one_ranks_overflow_skips_the_step_on_every_rank_at_o5(cases, run):
+    """O5's static scale skips a non-finite step too, on every rank together (O2's dynamic
+    scale: tests/test_distributed.py)."""
+    r0, r1 = cases[f"overflow-{run}"].results()
+    assert r0["skipped"] == r1["skipped"] == [False, True, False]
+    _assert_ranks_bitwise_equal(r0, r1, run)
 
 
 # ---- collectives where a rank need not be -------------------------------------------------------

@@ -139,6 +139,26 @@ def rank0_forward(rank, kind, path=None, steps=2):
     return run.weights()
 
 
+# ---- one rank's overflow -------------------------------------------------------------------------
+
+def overflow(rank, kind, path=None, steps=3, inject_step=1):
+    """Rank 1 alone writes inf into a gradient after DDP's all-reduce (inside the scale_loss
+    block), at step ``inject_step``: every rank skips that step (O5's static scale too)."""
+    run = Run(rank, kind, path)
+    skipped = []
+    for i in range(steps):
+        run.optimizer.zero_grad()
+        before = [m.detach().clone() for m in amp.master_params(run.optimizer)]
+        with amp.scale_loss(run.loss(*_batch(rank, i)), run.optimizer) as scaled:
+            scaled.backward()
+            if i == inject_step and rank == 1:
+                run.model[0].weight.grad.view(-1)[3] = float("inf")
+        run.step()
+        skipped.append(all(torch.equal(b, m) for b, m in
+                           zip(before, amp.master_params(run.optimizer))))
+    return dict(run.weights(), skipped=skipped)
+
+
 # ---- a checkpoint taken on rank 0 and resumed by every rank --------------------------------------
 
 def resume(rank, kind, path=None, before=2, after=2):
@@ -194,6 +214,7 @@ def _cases():
                 delay_unscale=delay)
     for kind, path in runs[3:]:
         add("plain", accumulate, kind, path, micro=1)
+        add("overflow", overflow, kind, path)
     for kind, path in runs[1:4]:
         add("resume", resume, kind, path)
     return cases
