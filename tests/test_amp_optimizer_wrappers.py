@@ -50,8 +50,7 @@ def _sam_run(level, path, given, steps=3):
     return torch.tensor(losses), weights(model)
 
 
-@pytest.mark.parametrize("given", ["base", "sam"], ids=["initialize(base), SAM after",
-                                                         "initialize(SAM)"])
+@pytest.mark.parametrize("given", ["base", "sam"], ids=["SAM(amp_optimizer)", "initialize(SAM)"])
 @pytest.mark.parametrize("level, path", xfail_where(
     all_ids(), "issue 49: SAM's perturbation of the masters never reaches the half model "
                "(and with initialize(SAM), second_step's base_optimizer.step() bypasses amp)"))
@@ -101,7 +100,7 @@ def _lookahead_run(level, path, given, steps=4, k=2):
 
 
 @pytest.mark.parametrize("given", ["wrap", "initialize"],
-                         ids=["Lookahead(initialize's optimizer)", "initialize(Lookahead)"])
+                         ids=["Lookahead(amp_optimizer)", "initialize(Lookahead)"])
 @pytest.mark.parametrize("level, path", xfail_where(
     all_ids(), "issue 49: Lookahead's sync writes the masters, the half model keeps the fast "
                "weights and state_dict() takes them back; initialize(Lookahead) raises "
@@ -140,7 +139,7 @@ def _larc_run(level, path, given, steps=4):
 
 
 @pytest.mark.parametrize("given", ["wrap", "initialize"],
-                         ids=["LARC(initialize's optimizer)", "initialize(LARC)"])
+                         ids=["LARC(amp_optimizer)", "initialize(LARC)"])
 @pytest.mark.parametrize("level, path", RUNS)
 def test_larc_trains_as_in_fp32(level, path, given):
     """LARC rescales the masters' true fp32 gradients (given to initialize, it takes the
