@@ -81,6 +81,11 @@ def main():
     torch.set_num_threads(1)     # a child forked after an OpenMP pool started would hang in it
     if hasattr(module, "warm_up"):
         module.warm_up()     # what torch and amp import on first use, once before the forks
+    # Both workers ready before the first fork, so that the two children of a case start
+    # together however long each worker took to start (a file each: no thread here).
+    (out / f"ready.rank{rank}").touch()
+    while not all((out / f"ready.rank{r}").exists() for r in range(world)):
+        time.sleep(0.05)
     gloo_seconds = max(5.0, args.case_seconds - 10)
     pending, running, statuses = list(args.cases), {}, {}
     while pending or running:
