@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from amp_habits import (all_ids, assert_close_bf16, assert_path, backward, initialize,
-                        loss_of, mlp, params, weights, xfail_where)
+from amp_habits import (assert_close_bf16, assert_path, backward, initialize,
+                        loss_of, mlp, params, weights, RUNS)
 from apex_lite import amp
 
 
@@ -33,8 +33,6 @@ WRITES = {
     "copy_": lambda m: m.copy_(torch.linspace(-1.0, 1.0, m.numel()).view_as(m)),
     "another optimizer steps it": _another_optimizer,
 }
-FAILS = ("issue 49: a write to a master is never seen: the half model keeps the old value in "
-         "its forward and state_dict() gives it back")
 
 
 def _written(level, path, how, then, steps=2):
@@ -70,7 +68,7 @@ def _written(level, path, how, then, steps=2):
 
 
 @pytest.mark.parametrize("how", list(WRITES))
-@pytest.mark.parametrize("level, path", xfail_where(all_ids(), FAILS))
+@pytest.mark.parametrize("level, path", RUNS)
 def test_a_write_to_a_master_reaches_the_next_forward(level, path, how):
     _, fp32 = _written(None, None, how, "forward")
     written, got = _written(level, path, how, "forward")
@@ -80,7 +78,7 @@ def test_a_write_to_a_master_reaches_the_next_forward(level, path, how):
 
 
 @pytest.mark.parametrize("how", list(WRITES))
-@pytest.mark.parametrize("level, path", xfail_where(all_ids(), FAILS))
+@pytest.mark.parametrize("level, path", RUNS)
 def test_a_write_to_a_master_is_what_state_dict_saves(level, path, how):
     """``master.fill_(0.5)``, then ``model.state_dict()`` gives 0.5 (the master itself), and so
     does ``amp.state_dict()``."""
@@ -111,8 +109,7 @@ THEN = {"the next forward": lambda model, optimizer: loss_of(model, 1),
 
 
 @pytest.mark.parametrize("then", list(THEN))
-@pytest.mark.parametrize("level, path", xfail_where(
-    all_ids(), "issue 49: where both copies were written amp silently keeps the model's"))
+@pytest.mark.parametrize("level, path", RUNS)
 def test_both_copies_written_is_refused_naming_the_parameter(level, path, then):
     model, optimizer, master = _both_written(level, path, then)
     with pytest.raises((RuntimeError, ValueError), match=r"0\.weight"):

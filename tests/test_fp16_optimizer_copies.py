@@ -51,9 +51,6 @@ def _loaded_after_wrapping(dtype):
     return _weights(model)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 49: FP16_Optimizer's step overwrites weights "
-                                       "loaded into the model after wrapping with its stale "
-                                       "masters")
 @pytest.mark.parametrize("dtype", HALF, ids=str)
 def test_weights_loaded_into_the_model_after_wrapping_are_kept(dtype):
     assert_close_bf16(_loaded_after_wrapping(dtype), _loaded_after_wrapping(None))
@@ -69,8 +66,6 @@ def _unfrozen_later(dtype):
     return first_update, _weights(model)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 49: a parameter frozen at wrapping and unfrozen "
-                                       "later is stepped in half with the loss-scaled gradient")
 @pytest.mark.parametrize("dtype", HALF, ids=str)
 def test_a_parameter_unfrozen_after_wrapping_steps_with_its_true_gradient(dtype):
     fp32_update, fp32_weights = _unfrozen_later(None)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import case_ranks
-from amp_habits import all_ids, xfail_where
+from amp_habits import RUNS
 from workers.two_copies_cases import CASES, WRITTEN  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not case_ranks.AVAILABLE, reason=case_ranks.REASON)
@@ -43,9 +43,7 @@ def _assert_half_is_the_masters_rounding(result):
             f"master")
 
 
-@pytest.mark.parametrize("level, path", xfail_where(
-    all_ids(), "issue 49: PostLocalSGDOptimizer averages the masters, the half models stay "
-               "apart"))
+@pytest.mark.parametrize("level, path", RUNS)
 def test_model_averaging_of_the_masters_reaches_the_half_models(cases, level, path):
     r0, r1 = cases[f"local_sgd-{level}-{path}"].results()
     for result in (r0, r1):
@@ -53,9 +51,7 @@ def test_model_averaging_of_the_masters_reaches_the_half_models(cases, level, pa
     _assert_bitwise_equal_across_ranks(r0, r1, "after averaging")
 
 
-@pytest.mark.parametrize("level, path", xfail_where(
-    all_ids(), "issue 49: a state_dict() on rank 0 alone takes its stale half model back into "
-               "its averaged masters: the ranks' masters part"))
+@pytest.mark.parametrize("level, path", RUNS)
 def test_a_checkpoint_on_rank_0_alone_keeps_the_masters_equal(cases, level, path):
     r0, r1 = cases[f"local_sgd_checkpoint_on_rank_0-{level}-{path}"].results()
     _assert_bitwise_equal_across_ranks(r0, r1, "after rank 0's state_dict()")
@@ -67,9 +63,7 @@ WHEN = ["before_DDP", "after_DDP", "before_apex_DDP"]
 
 
 @pytest.mark.parametrize("when", WHEN)
-@pytest.mark.parametrize("level, path", xfail_where(
-    all_ids(), "issue 49: amp's master broadcast undoes a write to the half model made before "
-               "it (lr 0: the weight goes back to its random init)"))
+@pytest.mark.parametrize("level, path", RUNS)
 def test_a_write_before_the_master_broadcast_survives_it(cases, level, path, when):
     r0, r1 = cases[f"write_{when}-{level}-{path}"].results()
     written = torch.tensor(WRITTEN).to(r0["half"][0].dtype)
@@ -79,9 +73,7 @@ def test_a_write_before_the_master_broadcast_survives_it(cases, level, path, whe
     _assert_bitwise_equal_across_ranks(r0, r1, "after training at lr 0")
 
 
-@pytest.mark.parametrize("level, path", xfail_where(
-    all_ids(), "issue 49: dist.broadcast into the parameters (no version bump) never reaches "
-               "the masters: ranks 0.63 apart"))
+@pytest.mark.parametrize("level, path", RUNS)
 def test_a_hand_broadcast_of_the_parameters_reaches_the_masters(cases, level, path):
     ranks = cases[f"sync_by_dist.broadcast-{level}-{path}"].results()
     for result in ranks:
@@ -93,9 +85,7 @@ def test_a_hand_broadcast_of_the_parameters_reaches_the_masters(cases, level, pa
 
 
 @pytest.mark.parametrize("how", ["p.copy_", "Reducer", "average"])
-@pytest.mark.parametrize("level, path", xfail_where(
-    all_ids(), "issue 49: a sync-init that makes the half models equal leaves the masters "
-               "apart in their low bits (or, through .data, untouched)"))
+@pytest.mark.parametrize("level, path", RUNS)
 def test_a_sync_init_of_the_half_models_makes_the_masters_bitwise_equal(cases, level, path,
                                                                         how):
     r0, r1 = cases[f"sync_by_{how}-{level}-{path}"].results()

@@ -48,7 +48,7 @@ from .grad_edits import HalfGradEdits
 from .master_grads import GradState, is_lazy
 from .model_hooks import BackwardWatches
 from .opt_params import OptimizerParams, _DeviceGroup
-from .optimizer_hooks import MARK, _make_method, _StepInPlace  # noqa: F401  (MARK: its old home)
+from .optimizer_hooks import MARK, _make_method, _StepInPlace, _wrapper_step  # noqa: F401
 from .overflow import OverflowCheck
 # AMP_STATE_KEY is also importable here, where it was defined before saved_state.py.
 from .saved_state import AMP_STATE_KEY, OptimizerAmpState  # noqa: F401
@@ -102,9 +102,11 @@ class AmpOptimizer:
     def install(self, wrappers: Sequence = ()) -> None:
         """Patch the stepping optimizer's ``step``, ``zero_grad`` and ``add_param_group``; on
         each of ``wrappers`` (optimizers around it that share its param groups), ``zero_grad``
-        and ``add_param_group``, leaving their ``step`` to call the stepping one's, which is
-        amp's: a step taken through the inner optimizer (SAM's second step) is amp's step."""
+        and ``add_param_group``, and their own ``step`` runs, calling the stepping one's, which
+        is amp's (a step taken through the inner optimizer, SAM's second step, is amp's step),
+        after which the writes the wrapper made to the masters reach the model."""
         for wrapper in wrappers:
+            wrapper.step = types.MethodType(_wrapper_step(wrapper.step), wrapper)
             wrapper.zero_grad = types.MethodType(_make_method("zero_grad"), wrapper)
             wrapper.add_param_group = types.MethodType(_make_method("add_param_group"),
                                                        wrapper)

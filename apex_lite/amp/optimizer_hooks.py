@@ -5,7 +5,8 @@
   takes over; ``amp_optimizer_of`` finds amp's state from the wrapper too (one built after
   ``initialize``).
 - ``_make_method``: the ``step``, ``zero_grad`` and ``add_param_group`` amp sets on the instance
-  (a fresh function per optimizer, bound with MethodType, as torch's LR schedulers expect).
+  (a fresh function per optimizer, bound with MethodType, as torch's LR schedulers expect);
+  ``_wrapper_step``: a wrapper's own step, after which its writes to the masters reach the model.
 - ``_StepInPlace``: a step pre-hook and post-hook with which amp's update runs inside the
   optimizer's own ``step`` in place of the class's update, so that a wrapper set on the
   instance before ``initialize`` and torch's step hooks run on every step path.
@@ -110,6 +111,20 @@ class _StepInPlace:
     def _give_back(self) -> None:
         if self.hidden is not None:
             self.optimizer.param_groups, self.hidden = self.hidden, None
+
+
+def _wrapper_step(original: Callable):
+    """The ``step`` of an optimizer that wraps the one amp took over (given to ``initialize``):
+    its own (``original``), which calls amp's through the inner optimizer, then the writes it
+    made to the masters after that (Lookahead's sync of its slow weights) reach the model at
+    once, as they would be the model's own weights in fp32 training."""
+    def step(optimizer, *args, **kwargs):
+        result = original(*args, **kwargs)
+        optimizer._apex_lite_amp.run.copies.sync(f"{type(optimizer).__name__}.step()")
+        return result
+    if hasattr(original, "_wrapped_by_lr_sched"):
+        step._wrapped_by_lr_sched = True
+    return torch.compiler.disable(step)
 
 
 def _make_method(name: str):

@@ -1,12 +1,13 @@
 """DLPack export of an O2/O5 master's gradient (tests/test_amp_grad_lifetimes.py); not a test
 itself.
 
-Each case named on the command line (``<how>-<level>-<path>``: how ``to_dlpack`` or
+Each case named on the command line (``<how>-<level>-<path>``: how ``to_dlpack``,
+``to_dlpack_made`` (after ``amp.master_params``, which makes the fused step's lazy gradients) or
 ``from_dlpack``, level ``fp32``, ``O2`` or ``O5``, path ``fused`` or ``unfused``) runs in a child
 process of its own, forked from this one (torch is imported once): a case that kills its process
 (a segfault) is that case's failure only. Writes ``--out/results.json``: per case its exit code
 (negative: the signal that ended it), the gradient exported through DLPack and the gradient
-itself, as lists.
+itself, as lists, or the error ``to_dlpack`` raised.
 """
 import argparse
 import json
@@ -23,6 +24,7 @@ import torch  # noqa: E402
 import torch.utils.dlpack  # noqa: E402
 
 from amp_habits import backward, initialize, loss_of, mlp, params, warm_up  # noqa: E402
+from apex_lite import amp  # noqa: E402
 
 CASE_SECONDS = 60
 
@@ -34,9 +36,15 @@ def run_case(case: str) -> dict:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer = initialize(model, optimizer, level, path)
     backward(loss_of(model, 0), optimizer, level)
+    if how == "to_dlpack_made" and level is not None:
+        list(amp.master_params(optimizer))
     grad = params(optimizer)[0].grad
-    if how == "to_dlpack":
-        exported = torch.utils.dlpack.from_dlpack(torch.utils.dlpack.to_dlpack(grad))
+    if how.startswith("to_dlpack"):
+        try:
+            capsule = torch.utils.dlpack.to_dlpack(grad)
+        except RuntimeError as error:
+            return {"refused": str(error), "grad": grad.tolist()}
+        exported = torch.utils.dlpack.from_dlpack(capsule)
     else:
         exported = torch.from_dlpack(grad)
     return {"exported": exported.tolist(), "grad": grad.tolist()}
