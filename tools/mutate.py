@@ -518,6 +518,87 @@ MUTATIONS: List[Mutation] = [
       "        self._copies.load([(self._pairs.of_master(master), value)",
       "        self._copies.load([(self._pairs.of_master(master), master)",
       ["test_fp16_utils.py::test_state_dict_round_trip_resumes_exactly"]),
+    # issue 49: the two copies (two_copies.py), the masters' gradients (master_grads.py), the
+    # optimizer's step as code set it, optimizers that wrap another, FP16_Optimizer's copies.
+    M("master-writes-never-reach-the-model",
+      "                if to_model:\n                    self._round_into_model(to_model)",
+      "                if False:\n                    self._round_into_model(to_model)",
+      ["test_amp_master_writes.py::test_a_write_to_a_master_reaches_the_next_forward",
+       "test_amp_master_writes.py::test_a_write_to_a_master_is_what_state_dict_saves"],
+      backends=("native", "python")),
+    M("both-copies-written-not-refused",
+      "                        _refuse_both(caller, pairs[i - n])",
+      "                        pass",
+      ["test_amp_master_writes.py::test_both_copies_written_is_refused_naming_the_parameter"]),
+    M("a-write-outside-a-forward-keeps-the-masters-bits",
+      "                    _take_model_writes(to_master, whole=not in_forward)",
+      "                    _take_model_writes(to_master, whole=False)",
+      ["test_amp_model_writes.py::test_a_write_outside_a_forward_is_taken_whole"]),
+    M("kept-lazy-gradients-reused",
+      "        held = ops_for(self.device).referenced_elsewhere(self.lazies, self._own)\n"
+      "        unmade",
+      "        held = []\n        unmade",
+      ["test_amp_grad_lifetimes.py::"
+       "test_a_kept_gradient_keeps_its_values_across_zero_grad_and_the_next_backward",
+       "test_amp_grad_lifetimes.py::test_a_kept_unread_gradient_reads_as_torchs"],
+      k="fused", backends=("native", "python")),
+    M("made-gradients-reused-while-held",
+      "                if value is None or i in held or value.shape",
+      "                if value is None or value.shape",
+      ["test_amp_grad_lifetimes.py::"
+       "test_a_kept_gradient_keeps_its_values_across_zero_grad_and_the_next_backward",
+       "test_amp_grad_lifetimes.py::"
+       "test_multi_task_gradient_surgery_combines_both_tasks_as_in_fp32"],
+      backends=("native", "python")),
+    M("hand-set-gradients-ignored-on-the-fused-step",
+      "        from_masters = amp_opt.grad_state != CHECKED",
+      "        from_masters = amp_opt.grad_state == UNSCALED",
+      ["test_amp_grad_lifetimes.py::test_hand_set_master_gradients_are_applied"], k="fused"),
+    M("step-wrapper-bypassed",
+      "        with replacement.armed(update):\n            return self._original_step(*args)",
+      "        update()\n        return None",
+      ["test_amp_optimizer_wrappers.py::test_a_step_wrapper_set_before_initialize_runs_every_step"]),
+    M("wrapped-optimizer-not-taken-over",
+      "        if value is not optimizer and isinstance(value, torch.optim.Optimizer) \\\n",
+      "        if False and isinstance(value, torch.optim.Optimizer) \\\n",
+      ["test_amp_optimizer_wrappers.py::test_sam_trains_as_in_fp32",
+       "test_amp_optimizer_wrappers.py::test_lookahead_trains_as_in_fp32_and_checkpoints_the_"
+       "synced_weights"]),
+    M("wrapper-step-leaves-its-writes-in-the-masters",
+      "        result = original(*args, **kwargs)\n"
+      "        optimizer._apex_lite_amp.run.copies.sync(",
+      "        return original(*args, **kwargs)\n"
+      "        optimizer._apex_lite_amp.run.copies.sync(",
+      ["test_amp_optimizer_wrappers.py::test_lookahead_trains_as_in_fp32_and_checkpoints_the_"
+       "synced_weights"], k="initialize"),
+    M("fp16-optimizer-takes-no-model-writes",
+      "        self._copies.sync(\"FP16_Optimizer.step()\")",
+      "        pass",
+      ["test_fp16_optimizer_copies.py::test_weights_loaded_into_the_model_after_wrapping_are_kept"]),
+    M("fp16-optimizer-frozen-parameters-get-no-master",
+      "                master.requires_grad = param.requires_grad\n",
+      "                master.requires_grad = param.requires_grad\n"
+      "                if not param.requires_grad:\n                    continue\n",
+      ["test_fp16_optimizer_copies.py::"
+       "test_a_parameter_unfrozen_after_wrapping_steps_with_its_true_gradient"]),
+    # issue 50: data parallel without hangs or drift (ddp.py).
+    M("no_sync-backwards-unscaled-apart",
+      "        if reduces is False:\n            delay_unscale = True",
+      "        if False:\n            delay_unscale = True",
+      ["test_parallel_accumulation.py::"
+       "test_accumulation_keeps_the_ranks_equal_and_trains_as_torch_amp"], k="no_sync-O2"),
+    M("a-collective-after-an-all-reduced-backward",
+      "        if distributed_active() and not self.reduced:\n"
+      "            # Every rank must reach the same decisions",
+      "        if distributed_active():\n"
+      "            # Every rank must reach the same decisions",
+      ["test_parallel_accumulation.py::test_join_with_uneven_inputs_finishes"], k="O1"),
+    M("the-master-broadcast-in-the-forward",
+      "        first_in_ddp = run.ddp.forward_started(sharded=run.sharding is not None)\n",
+      "        first_in_ddp = run.ddp.forward_started(sharded=run.sharding is not None)\n"
+      "        run.ddp.broadcast_pending()\n",
+      ["test_parallel_accumulation.py::test_a_forward_on_rank_0_alone_then_training_finishes"],
+      k="O2"),
     M("fp16-static-loss-scaler-never-sees-overflow",
       "        \"\"\"Whether a gradient of ``params`` holds an inf or NaN (apex's said False always).\"\"\"\n"
       "        return grads_have_inf_or_nan(params)",
