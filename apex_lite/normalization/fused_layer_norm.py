@@ -2,8 +2,9 @@
 ``MixedFusedRMSNorm`` and their functional forms, with apex's names, signatures and defaults, on
 any device. Where the input and the parameters share a dtype, the norm is torch's own
 ``layer_norm`` / ``rms_norm``, forward and backward (RMS norms on the CPU excepted: see
-``_RMS_NORM_NOT_BY_TORCH``); otherwise, and with ``memory_efficient``, it is apex's autograd
-Function on torch's fused ops (``_autograd``), statistics and gradients in fp32.
+``_RMS_NORM_NOT_BY_TORCH``); otherwise, and with ``memory_efficient``, it is apex_lite's
+autograd Function on torch's fused ops (``_autograd.NormFunction``), statistics and gradients in
+fp32, differentiable to any order and under ``torch.func``.
 
 Dtypes, as apex's CUDA kernels give them:
 - ``FusedLayerNorm`` / ``FusedRMSNorm`` and ``fused_layer_norm[_affine]`` /
@@ -20,7 +21,8 @@ Dtypes, as apex's CUDA kernels give them:
   ``keep_fp32_modules`` to keep them fp32.
 
 ``memory_efficient=True`` keeps the output instead of the input for the backward (see
-``_autograd``).
+``_autograd``). Under ``torch.jit.script`` and ``torch.jit.trace`` the modules run torch's ops
+(``_scripted_norm``), as apex's do.
 """
 from __future__ import annotations
 
@@ -79,9 +81,9 @@ def _norm(input, normalized_shape, weight, bias, eps, *, rms: bool, mixed: bool,
                 mixed=mixed)
 
 
-def scripted_norm(input: torch.Tensor, normalized_shape: List[int], weight: Optional[torch.Tensor],
-                  bias: Optional[torch.Tensor], eps: float, rms: bool,
-                  mixed: bool) -> torch.Tensor:
+def _scripted_norm(input: torch.Tensor, normalized_shape: List[int],
+                   weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float,
+                   rms: bool, mixed: bool) -> torch.Tensor:
     """The norms under ``torch.jit.script`` and ``torch.jit.trace`` (apex's modules, too, leave
     their kernels there): composed of torch ops, statistics in fp32 (fp64 for fp64 tensors), the
     output in the weight's dtype when ``mixed``, else the input's. ``memory_efficient`` has no
@@ -251,8 +253,8 @@ class FusedLayerNorm(_Norm):
     def forward(self, input):
         """The normalised input, in its dtype."""
         if torch.jit.is_scripting() or torch.jit.is_tracing():
-            return scripted_norm(input, list(self.normalized_shape), self.weight, self.bias,
-                                 self.eps, False, False)
+            return _scripted_norm(input, list(self.normalized_shape), self.weight, self.bias,
+                                  self.eps, False, False)
         if self.elementwise_affine:
             return fused_layer_norm_affine(input, self.weight, self.bias, self.normalized_shape,
                                            self.eps, self.memory_efficient)
@@ -280,8 +282,8 @@ class FusedRMSNorm(_Norm):
     def forward(self, input):
         """The normalised input, in its dtype."""
         if torch.jit.is_scripting() or torch.jit.is_tracing():
-            return scripted_norm(input, list(self.normalized_shape), self.weight, None, self.eps,
-                                 True, False)
+            return _scripted_norm(input, list(self.normalized_shape), self.weight, None, self.eps,
+                                  True, False)
         if self.elementwise_affine:
             return fused_rms_norm_affine(input, self.weight, self.normalized_shape, self.eps,
                                          self.memory_efficient)
@@ -314,8 +316,8 @@ class MixedFusedLayerNorm(FusedLayerNorm):
     def forward(self, input: torch.Tensor):
         """The normalised input, in the parameters' dtype."""
         if torch.jit.is_scripting() or torch.jit.is_tracing():
-            return scripted_norm(input, list(self.normalized_shape), self.weight, self.bias,
-                                 self.eps, False, True)
+            return _scripted_norm(input, list(self.normalized_shape), self.weight, self.bias,
+                                  self.eps, False, True)
         return mixed_dtype_fused_layer_norm_affine(input, self.weight, self.bias,
                                                    self.normalized_shape, self.eps,
                                                    self.memory_efficient)
@@ -333,7 +335,7 @@ class MixedFusedRMSNorm(FusedRMSNorm):
     def forward(self, input: torch.Tensor):
         """The normalised input, in the weight's dtype."""
         if torch.jit.is_scripting() or torch.jit.is_tracing():
-            return scripted_norm(input, list(self.normalized_shape), self.weight, None, self.eps,
-                                 True, True)
+            return _scripted_norm(input, list(self.normalized_shape), self.weight, None, self.eps,
+                                  True, True)
         return mixed_dtype_fused_rms_norm_affine(input, self.weight, self.normalized_shape,
                                                  self.eps, self.memory_efficient)
