@@ -305,3 +305,14 @@ def test_functional_forms_and_apex_functions_differentiate_twice():
     ]
     for call in calls:
         assert gradgradcheck(call, (x, w, b))
+
+
+def test_a_tensor_that_outlived_a_transform_goes_through_torchs_apply():
+    """Outside torch.func the norm calls the Function's C++ apply itself (_autograd's note); a
+    tensor left over from a transform still takes torch's Python apply, which unwraps it."""
+    leaked = []
+    torch.func.grad(lambda x: leaked.append(x) or x.sum())(torch.randn(2, 3))
+    assert not _autograd._plain(leaked[0]) and _autograd._plain(torch.randn(2))
+    module = FusedRMSNorm(3, memory_efficient=True)
+    module(leaked[0]).sum().backward()
+    assert module.weight.grad is not None

@@ -16,9 +16,9 @@ fp32 or the cast raised; here instead:
 - An ``nn.Module`` passed as an argument is never cast (apex's ``.to(dtype)`` would have cast the
   module itself).
 
-Integer and bool tensors (token ids, labels, masks) and everything else are left as they are. A
-value with nothing to cast is returned as it is, not rebuilt. The caller's objects are never
-changed in place.
+Integer and bool tensors (token ids, labels, masks) and everything else are left as they are.
+Plain tuples, lists and dicts are rebuilt; any other value with nothing to cast is returned as it
+is. The caller's objects are never changed in place.
 """
 from __future__ import annotations
 
@@ -32,8 +32,6 @@ import torch
 
 def _rebuilt_sequence(value, items):
     if isinstance(value, list):
-        if type(value) is list:
-            return items
         new = copy.copy(value)
         new[:] = items
         return new
@@ -64,6 +62,14 @@ def _map(value: Any, fn: Callable[[torch.Tensor], torch.Tensor],
          dtype: Optional[torch.dtype]) -> Any:
     if isinstance(value, torch.Tensor):
         return fn(value) if value.is_floating_point() else value
+    # A forward's positional and keyword arguments, the common case: plain containers, rebuilt.
+    kind = type(value)
+    if kind is tuple:
+        return tuple([_map(v, fn, dtype) for v in value])
+    if kind is list:
+        return [_map(v, fn, dtype) for v in value]
+    if kind is dict:
+        return {key: _map(item, fn, dtype) for key, item in value.items()}
     if value is None or isinstance(value, (str, bytes, int, float, bool, torch.nn.Module)):
         return value
     if isinstance(value, (list, tuple)):

@@ -236,13 +236,34 @@ class NormFunctionWithJvp(NormFunction):
     jvp = staticmethod(_jvp)
 
 
+# Note: the C++ apply. ``Function.apply`` (Python) binds the arguments to ``forward``'s signature
+# with ``inspect`` on every call of a Function that defines ``setup_context``, and unwraps
+# tensors that outlived a torch.func transform, before it calls the C++ apply beneath it; outside
+# transforms that is all it does. ``norm`` passes every argument, so where no transform is active
+# and no input is such a tensor it calls the C++ apply itself: the binding cost more than the
+# whole norm at small sizes (bench/normalization.py, 64 rows).
+_apply_in_cpp = super(torch.autograd.Function, NormFunctionWithJvp).apply
+_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None)
+_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
+
+
+def _plain(*tensors: Optional[torch.Tensor]) -> bool:
+    """No torch.func transform is active and no tensor is one of its wrappers."""
+    if _transforms_active is None or _wrapped is None or _transforms_active():
+        return False
+    return not any(t is not None and _wrapped(t) for t in tensors)
+
+
 def norm(input: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
          normalized_shape: Sequence[int], eps: float, memory_efficient: bool, *, rms: bool,
          mixed: bool) -> torch.Tensor:
     """The output of ``NormFunction`` (its arguments, in its order)."""
-    function = NormFunction if torch.compiler.is_compiling() else NormFunctionWithJvp
-    return function.apply(input, weight, bias, normalized_shape, eps, memory_efficient,
-                          rms, mixed)[0]
+    args = (input, weight, bias, normalized_shape, eps, memory_efficient, rms, mixed)
+    if torch.compiler.is_compiling():
+        return NormFunction.apply(*args)[0]
+    if _plain(input, weight, bias):
+        return _apply_in_cpp(*args)[0]
+    return NormFunctionWithJvp.apply(*args)[0]
 
 
 # ---- apex's Function names ------------------------------------------------------------------
