@@ -240,8 +240,8 @@ class NormFunctionWithJvp(NormFunction):
 # with ``inspect`` on every call of a Function that defines ``setup_context``, and unwraps
 # tensors that outlived a torch.func transform, before it calls the C++ apply beneath it; outside
 # transforms that is all it does. ``norm`` passes every argument, so where no transform is active
-# and no input is such a tensor it calls the C++ apply itself: the binding cost more than the
-# whole norm at small sizes (bench/normalization.py, 64 rows).
+# and no input is such a tensor it calls the C++ apply itself: the binding doubled the time of a
+# small norm's forward (8 x 64) here.
 _apply_in_cpp = super(torch.autograd.Function, NormFunctionWithJvp).apply
 _transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None)
 _wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
