@@ -367,24 +367,36 @@ APEX_SIGNATURES = {
     fln.mixed_dtype_fused_rms_norm_affine: "(input, weight, normalized_shape, eps=1e-06, "
                                            "memory_efficient=False)",
     fln.manual_rms_norm: "(input, normalized_shape, weight, eps)",
-    fln.FusedLayerNormAffineFunction.forward: "(ctx, input, weight, bias, normalized_shape, eps, "
-                                              "memory_efficient=False)",
-    fln.FusedLayerNormAffineMixedDtypesFunction.forward:
-        "(ctx, input, weight, bias, normalized_shape, eps, memory_efficient=False)",
-    fln.FusedLayerNormFunction.forward: "(ctx, input, normalized_shape, eps, "
-                                        "memory_efficient=False)",
-    fln.FusedRMSNormAffineFunction.forward: "(ctx, input, weight, normalized_shape, eps, "
+    # apex's Functions are called as ``X.apply(...)``: its forward's arguments without ``ctx``.
+    fln.FusedLayerNormAffineFunction.apply: "(input, weight, bias, normalized_shape, eps, "
                                             "memory_efficient=False)",
-    fln.FusedRMSNormAffineMixedDtypesFunction.forward:
-        "(ctx, input, weight, normalized_shape, eps, memory_efficient=False)",
-    fln.FusedRMSNormFunction.forward: "(ctx, input, normalized_shape, eps, "
-                                      "memory_efficient=False)",
+    fln.FusedLayerNormAffineMixedDtypesFunction.apply:
+        "(input, weight, bias, normalized_shape, eps, memory_efficient=False)",
+    fln.FusedLayerNormFunction.apply: "(input, normalized_shape, eps, memory_efficient=False)",
+    fln.FusedRMSNormAffineFunction.apply: "(input, weight, normalized_shape, eps, "
+                                          "memory_efficient=False)",
+    fln.FusedRMSNormAffineMixedDtypesFunction.apply:
+        "(input, weight, normalized_shape, eps, memory_efficient=False)",
+    fln.FusedRMSNormFunction.apply: "(input, normalized_shape, eps, memory_efficient=False)",
 }
 
 
 @pytest.mark.parametrize("fn", list(APEX_SIGNATURES), ids=lambda f: f.__qualname__)
 def test_apex_signatures(fn):
     assert str(inspect.signature(fn)) == APEX_SIGNATURES[fn]
+
+
+@pytest.mark.parametrize("name", ["FusedLayerNormAffineFunction",
+                                  "FusedLayerNormAffineMixedDtypesFunction",
+                                  "FusedLayerNormFunction", "FusedRMSNormAffineFunction",
+                                  "FusedRMSNormAffineMixedDtypesFunction", "FusedRMSNormFunction"])
+def test_megatron_finds_memory_efficient_in_the_functions_forward(name):
+    """Megatron-LM (core/fusions/fused_layer_norm.py) probes
+    ``inspect.getfullargspec(FusedLayerNormAffineFunction.forward).args`` for
+    ``memory_efficient`` before passing it to ``apply``."""
+    function = getattr(fln, name)
+    assert "memory_efficient" in inspect.getfullargspec(function.forward).args
+    assert function.forward is function.apply
 
 
 # ---- apex's tests/L0/run_fused_layer_norm/test_fused_layer_norm.py, on the CPU ---------------

@@ -10,25 +10,13 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import functools
-from typing import Any, Callable, List, Optional, Sequence, Set, Tuple
+from typing import Callable, List, Optional, Sequence, Set, Tuple
 
 import torch
 
+from .value_casts import apply_to_floats, cast_floats, first_tensor
+
 _MARK = "__apex_lite_cast__"
-
-
-def apply_to_floats(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``value`` with ``fn`` applied to every floating tensor inside tuples, lists and dicts."""
-    if isinstance(value, torch.Tensor):
-        return fn(value) if value.is_floating_point() else value
-    if isinstance(value, tuple):
-        items = [apply_to_floats(v, fn) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-    if isinstance(value, list):
-        return [apply_to_floats(v, fn) for v in value]
-    if isinstance(value, dict):
-        return type(value)((k, apply_to_floats(v, fn)) for k, v in value.items())
-    return value
 
 
 def _caster(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -53,16 +41,15 @@ class CastForward:
 
     def __call__(self, *args, **kwargs):
         if self.input_dtype is not None:
-            cast = _caster(self.input_dtype)
-            args = apply_to_floats(args, cast)
-            kwargs = apply_to_floats(kwargs, cast)
+            args = cast_floats(args, self.input_dtype)
+            kwargs = cast_floats(kwargs, self.input_dtype)
         if self.autocast_dtype is not None:
             with torch.autocast(self.device_type, dtype=self.autocast_dtype):
                 output = self.forward(*args, **kwargs)
         else:
             output = self.forward(*args, **kwargs)
         if self.output_dtype is not None:
-            output = apply_to_floats(output, _caster(self.output_dtype))
+            output = cast_floats(output, self.output_dtype)
         return output
 
 
@@ -132,14 +119,16 @@ def cast_model(model: torch.nn.Module, dtype: torch.dtype,
 # ---- apex's function decorators -------------------------------------------------------------
 
 def _autocast_state(args, kwargs) -> Tuple[Optional[str], Optional[torch.dtype]]:
-    """The device type of the first tensor argument and autocast's dtype there, when autocast is
-    enabled for that device type; else (None, None)."""
-    for value in list(args) + list(kwargs.values()):
-        if isinstance(value, torch.Tensor):
-            device_type = value.device.type
-            if torch.is_autocast_enabled(device_type):
-                return device_type, torch.get_autocast_dtype(device_type)
-            return None, None
+    """The device type of the first tensor argument (else of the first floating tensor inside a
+    list, tuple, dict or dataclass argument: apex cast tensors in lists and tuples too) and
+    autocast's dtype there, when autocast is enabled for that device type; else (None, None)."""
+    tensor = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)
+    if tensor is None:
+        tensor = first_tensor((args, kwargs))
+    if tensor is not None:
+        device_type = tensor.device.type
+        if torch.is_autocast_enabled(device_type):
+            return device_type, torch.get_autocast_dtype(device_type)
     return None, None
 
 

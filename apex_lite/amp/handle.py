@@ -207,9 +207,11 @@ class AmpHandle:
         for amp_opt in amp_opts:
             amp_opt.in_scale_loss = True
         multiplier = scale.multiplier
-        if isinstance(multiplier, torch.Tensor) and multiplier.device != loss.device:
-            # A device scale beside the masters, the loss elsewhere (FSDP2's CPU offload).
-            multiplier = multiplier.to(loss.device)
+        if isinstance(multiplier, torch.Tensor):
+            # The device scale is [1]: 0-dim, the scaled loss has the loss's shape (apex's). On
+            # the loss's device: the scale beside the masters, the loss elsewhere (FSDP2's CPU
+            # offload).
+            multiplier = multiplier.reshape(()).to(loss.device)
         scaled_loss = loss.float() * multiplier
         backward = model_hooks._BackwardWatch(scaled_loss)
         try:

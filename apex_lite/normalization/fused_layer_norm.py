@@ -2,8 +2,9 @@
 ``MixedFusedRMSNorm`` and their functional forms, with apex's names, signatures and defaults, on
 any device. Where the input and the parameters share a dtype, the norm is torch's own
 ``layer_norm`` / ``rms_norm``, forward and backward (RMS norms on the CPU excepted: see
-``_RMS_NORM_NOT_BY_TORCH``); otherwise, and with ``memory_efficient``, it is apex's autograd
-Function on torch's fused ops (``_autograd``), statistics and gradients in fp32.
+``_RMS_NORM_NOT_BY_TORCH``); otherwise, and with ``memory_efficient``, it is apex_lite's
+autograd Function on torch's fused ops (``_autograd.NormFunction``), statistics and gradients in
+fp32, differentiable to any order and under ``torch.func``.
 
 Dtypes, as apex's CUDA kernels give them:
 - ``FusedLayerNorm`` / ``FusedRMSNorm`` and ``fused_layer_norm[_affine]`` /
@@ -20,11 +21,13 @@ Dtypes, as apex's CUDA kernels give them:
   ``keep_fp32_modules`` to keep them fp32.
 
 ``memory_efficient=True`` keeps the output instead of the input for the backward (see
-``_autograd``).
+``_autograd``). Under ``torch.jit.script`` and ``torch.jit.trace`` the modules run torch's ops
+(``_scripted_norm``), as apex's do.
 """
 from __future__ import annotations
 
 import numbers
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +38,7 @@ from ..amp.casting import half_function
 from ._autograd import (FusedLayerNormAffineFunction,  # noqa: F401 (apex's names)
                         FusedLayerNormAffineMixedDtypesFunction, FusedLayerNormFunction,
                         FusedRMSNormAffineFunction, FusedRMSNormAffineMixedDtypesFunction,
-                        FusedRMSNormFunction, check_shapes, compute_dtype)
+                        FusedRMSNormFunction, check_shapes, compute_dtype, norm)
 
 __all__ = ["FusedLayerNorm", "FusedRMSNorm", "MixedFusedLayerNorm", "MixedFusedRMSNorm",
            "fused_layer_norm_affine", "fused_layer_norm", "fused_rms_norm_affine",
@@ -74,15 +77,48 @@ def _norm(input, normalized_shape, weight, bias, eps, *, rms: bool, mixed: bool,
             return F.layer_norm(input, normalized_shape, weight, bias, eps)
         if _TORCH_RMS_NORM is not None and input.device.type not in _RMS_NORM_NOT_BY_TORCH:
             return _TORCH_RMS_NORM(input, normalized_shape, weight, eps)
+    return norm(input, weight, bias, normalized_shape, eps, memory_efficient, rms=rms,
+                mixed=mixed)
+
+
+def _scripted_norm(input: torch.Tensor, normalized_shape: List[int],
+                   weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float,
+                   rms: bool, mixed: bool) -> torch.Tensor:
+    """The norms under ``torch.jit.script`` and ``torch.jit.trace`` (apex's modules, too, leave
+    their kernels there): composed of torch ops, statistics in fp32 (fp64 for fp64 tensors), the
+    output in the weight's dtype when ``mixed``, else the input's. ``memory_efficient`` has no
+    effect there.
+
+    Args:
+        input: the tensor to normalise.
+        normalized_shape: the trailing dimensions normalised over.
+        weight: the scale, or None.
+        bias: the shift, or None (RMS norms have none).
+        eps: added to the variance (the mean square for RMS norms).
+        rms: an RMS norm rather than a layer norm.
+        mixed: the output in the weight's dtype (apex's MixedFused norms).
+
+    Returns:
+        The normalised tensor.
+    """
+    dtype = torch.promote_types(input.dtype, torch.float32)
+    x = input.to(dtype)
+    w: Optional[torch.Tensor] = None
+    if weight is not None:
+        w = weight.to(dtype)
     if rms:
-        if weight is None:
-            return FusedRMSNormFunction.apply(input, normalized_shape, eps, memory_efficient)
-        function = FusedRMSNormAffineMixedDtypesFunction if mixed else FusedRMSNormAffineFunction
-        return function.apply(input, weight, normalized_shape, eps, memory_efficient)
-    if weight is None:
-        return FusedLayerNormFunction.apply(input, normalized_shape, eps, memory_efficient)
-    function = FusedLayerNormAffineMixedDtypesFunction if mixed else FusedLayerNormAffineFunction
-    return function.apply(input, weight, bias, normalized_shape, eps, memory_efficient)
+        dims = [-1 - i for i in range(len(normalized_shape))]
+        out = x * torch.rsqrt(x.square().mean(dims, keepdim=True) + eps)
+        if w is not None:
+            out = out * w
+    else:
+        b: Optional[torch.Tensor] = None
+        if bias is not None:
+            b = bias.to(dtype)
+        out = F.layer_norm(x, normalized_shape, w, b, eps)
+    if mixed and weight is not None:
+        return out.to(weight.dtype)
+    return out.to(input.dtype)
 
 
 # ---- apex's functional forms ------------------------------------------------------------------
@@ -216,6 +252,9 @@ class FusedLayerNorm(_Norm):
 
     def forward(self, input):
         """The normalised input, in its dtype."""
+        if torch.jit.is_scripting() or torch.jit.is_tracing():
+            return _scripted_norm(input, list(self.normalized_shape), self.weight, self.bias,
+                                  self.eps, False, False)
         if self.elementwise_affine:
             return fused_layer_norm_affine(input, self.weight, self.bias, self.normalized_shape,
                                            self.eps, self.memory_efficient)
@@ -242,6 +281,9 @@ class FusedRMSNorm(_Norm):
 
     def forward(self, input):
         """The normalised input, in its dtype."""
+        if torch.jit.is_scripting() or torch.jit.is_tracing():
+            return _scripted_norm(input, list(self.normalized_shape), self.weight, None, self.eps,
+                                  True, False)
         if self.elementwise_affine:
             return fused_rms_norm_affine(input, self.weight, self.normalized_shape, self.eps,
                                          self.memory_efficient)
@@ -273,6 +315,9 @@ class MixedFusedLayerNorm(FusedLayerNorm):
 
     def forward(self, input: torch.Tensor):
         """The normalised input, in the parameters' dtype."""
+        if torch.jit.is_scripting() or torch.jit.is_tracing():
+            return _scripted_norm(input, list(self.normalized_shape), self.weight, self.bias,
+                                  self.eps, False, True)
         return mixed_dtype_fused_layer_norm_affine(input, self.weight, self.bias,
                                                    self.normalized_shape, self.eps,
                                                    self.memory_efficient)
@@ -289,5 +334,8 @@ class MixedFusedRMSNorm(FusedRMSNorm):
 
     def forward(self, input: torch.Tensor):
         """The normalised input, in the weight's dtype."""
+        if torch.jit.is_scripting() or torch.jit.is_tracing():
+            return _scripted_norm(input, list(self.normalized_shape), self.weight, None, self.eps,
+                                  True, True)
         return mixed_dtype_fused_rms_norm_affine(input, self.weight, self.normalized_shape,
                                                  self.eps, self.memory_efficient)
