@@ -20,8 +20,8 @@ in apex (any integer, bool or float dtype is accepted). Where an op sets it (sca
 l2norm set it to 1 when they meet inf or NaN, and never write 0), an fp32 copy is made on the
 device, handed to the kernel as its ``found_inf`` flag and copied back: two small device ops, no
 host sync; an fp32 flag is used in place. ``multi_tensor_sgd`` reads it (a set flag: nothing is
-written); ``multi_tensor_adam``, ``multi_tensor_lamb``, ``multi_tensor_novograd`` and
-``multi_tensor_adagrad`` ignore it, as apex's kernels do. Both backends read the flag and the
+written); ``multi_tensor_adam``, ``multi_tensor_lamb``, ``multi_tensor_novograd``,
+``multi_tensor_adagrad`` and the two LAMB stages ignore it, as apex's kernels do. Both backends read the flag and the
 step counts on the device, without a host sync.
 
 What does not map (each raises, naming it): apex's double-precision tensors; the capturable
@@ -41,6 +41,8 @@ from ..optimizers.update import unit_scalars
 from .amp_c_args import (arg_lists, check_aligned, check_noop, flag_where, fp32_state,
                          host_number, noop_as_found_inf, scalar_tensor, set_noop, step_counts,
                          write_back)
+# apex's two-stage LAMB (DeepLearningExamples' BERT looks these up when imported).
+from .lamb_stages import multi_tensor_lamb_stage1_cuda, multi_tensor_lamb_stage2_cuda  # noqa: F401
 
 __all__ = ["MultiTensorApply", "multi_tensor_applier", "multi_tensor_scale",
            "multi_tensor_axpby", "multi_tensor_l2norm", "multi_tensor_sgd", "multi_tensor_adam",
@@ -407,3 +409,5 @@ def multi_tensor_adagrad(chunk_size, noop_flag, tensor_lists, lr, epsilon, mode,
 
 AMP_C_OPS += ("multi_tensor_novograd", "multi_tensor_adagrad")
 __all__ += ["multi_tensor_novograd", "multi_tensor_adagrad"]
+AMP_C_OPS += ("multi_tensor_lamb_stage1_cuda", "multi_tensor_lamb_stage2_cuda")
+__all__ += ["multi_tensor_lamb_stage1_cuda", "multi_tensor_lamb_stage2_cuda"]
