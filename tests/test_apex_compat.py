@@ -96,6 +96,7 @@ import apex
 import amp_C
 from apex import amp
 from apex.amp import _amp_state
+import apex.amp._amp_state   # DeepLearningExamples' GNMT: apex.amp._amp_state stays the state
 from apex.optimizers import FusedAdam, FusedLAMB, FusedSGD
 from apex.multi_tensor_apply import multi_tensor_applier
 import apex.amp.scaler
@@ -103,7 +104,8 @@ import apex_lite, apex_lite.amp.scaler, apex_lite.apex_multi_tensor, apex_lite.o
 facts = {
     "apex_file": apex.__file__,
     "amp": amp is apex_lite.amp and apex.amp is amp and "state_dict" in amp.__dict__,
-    "amp_state": _amp_state is apex_lite.amp._amp_state,
+    "amp_state": _amp_state is apex_lite.amp._amp_state is apex.amp._amp_state
+                 and hasattr(apex.amp._amp_state, "loss_scalers"),
     "optimizers": (FusedAdam, FusedLAMB, FusedSGD) == (apex_lite.optimizers.FusedAdam,
                    apex_lite.optimizers.FusedLAMB, apex_lite.optimizers.FusedSGD),
     "amp_C": amp_C is apex_lite.apex_multi_tensor,
