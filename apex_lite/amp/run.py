@@ -12,6 +12,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from ..apex_compat.amp_stash import attach_amp_stash
 from . import casting, ddp, diagnostics, fsdp, init_checks, masters, model_hooks, step_path
 from .init_checks import describe as _describe
 from .model_writes import ModelWrites
@@ -263,6 +264,6 @@ def take_over_optimizer(run: _Run, opt: torch.optim.Optimizer, unfused_why: str)
         step_path.FusedStep(opt, run.model_of)
     amp_opt.install()
     # apex's mark of an initialised optimizer, which engines that call initialize lazily
-    # test with hasattr(optimizer, "_amp_stash"); what it holds is apex_lite's own state.
-    opt._amp_stash = amp_opt
+    # test with hasattr(optimizer, "_amp_stash"), with the attributes apex code reads from it.
+    attach_amp_stash(opt, amp_opt)
     run.optimizers.append(amp_opt)
