@@ -220,6 +220,26 @@ def test_update_scale_makes_every_pending_decision_of_an_accumulation(path):
     assert not any(_changed(before, model))
 
 
+@pytest.mark.parametrize("path", list(STEP_PATHS))
+@pytest.mark.parametrize("bad_backward", [None, 0, 1])
+def test_one_accumulated_step_backs_the_scale_off_once(path, bad_backward):
+    """BERT's flow: two backwards, then its own unscale of the accumulated gradients into its
+    buffer, which an inf of either backward reaches too: the step skips and the scale halves
+    once, whether the overflow was amp's to see (an inf gradient) or only the caller's."""
+    model, opt = _setup(path=path)
+    scaler = _scaler()
+    own = torch.zeros(1, dtype=torch.int32)
+    scaler._overflow_buf = own
+    for step in range(2):
+        _backward(model, opt, step, delay_overflow_check=True, bad=step == bad_backward)
+    own.fill_(1)
+    assert scaler.update_scale() is True
+    assert scaler.loss_scale() == 32768.0 and amp.loss_scalers()[0].skipped_steps >= 1
+    before = _params(model)
+    opt.step()
+    assert not any(_changed(before, model))
+
+
 def test_the_default_overflow_buf_is_an_int_flag_that_update_scale_reads():
     model, opt = _setup()
     scaler = _scaler()

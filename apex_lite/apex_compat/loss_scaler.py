@@ -14,13 +14,15 @@ What apex code does with it, and what it does here:
   ``--allreduce_post_accumulation``, after ``amp.scale_loss(..., delay_overflow_check=True)``
   and its own all-reduce of the master gradients, unscaled by ``multi_tensor_scale`` into its
   own buffer): ``update_scale()`` makes the skip decisions that ``delay_overflow_check`` left
-  pending for this scaler now, with a non-zero ``_overflow_buf`` counted as an overflow of the
-  latest backward, and returns whether the step must be skipped (apex's ``should_skip``); the
-  buffer is zeroed once read, as apex's next ``scale_loss`` zeroed it. amp's own check of the
-  gradients counts too, and amp's rule decides (a static scale also skips non-finite steps,
-  which apex's ``update_scale`` did not); with several backwards pending (accumulation), each
-  is one decision, as amp makes them without ``delay_overflow_check``. A ``step()`` after a
-  decision to skip skips.
+  pending for this scaler now and returns whether the step must be skipped (apex's
+  ``should_skip``). amp's own check of the gradients counts, and a non-zero ``_overflow_buf``
+  counts as an overflow of the latest backward unless an earlier one already made the step
+  skip (an inf it left in the accumulated gradients reaches the buffer too: one step backs the
+  scale off once, as apex's one ``update_scale()`` did). The buffer is zeroed once read, as
+  apex's next ``scale_loss`` zeroed it. amp's rule decides (a static scale also skips
+  non-finite steps, which apex's ``update_scale`` did not); with several backwards pending
+  (accumulation), each is one decision, as amp makes them without ``delay_overflow_check``. A
+  ``step()`` after a decision to skip skips.
 - sets any attribute apex's ``LossScaler`` did not have: kept on this object (apex's was a
   plain object; BERT's ``scaler._overfloat_buf = ...`` is one such write).
 
@@ -128,8 +130,9 @@ class ApexLossScaler:
     def update_scale(self) -> bool:
         """apex's ``update_scale()``: make the decisions that ``amp.scale_loss(...,
         delay_overflow_check=True)`` left pending for this scaler, counting a non-zero
-        ``_overflow_buf`` as an overflow of the latest backward (the buffer is then zeroed);
-        returns whether the step must be skipped. One host read, as apex's.
+        ``_overflow_buf`` as an overflow of the latest backward when no earlier one made the
+        step skip (the buffer is then zeroed); returns whether the step must be skipped. One
+        host read, as apex's.
 
         Raises:
             RuntimeError: no decision is pending for this scaler (amp made it when scale_loss
@@ -144,16 +147,30 @@ class ApexLossScaler:
                 f"decision that amp.scale_loss(..., delay_overflow_check=True) leaves to the "
                 f"caller: pass delay_overflow_check=True to the scale_loss of this step, then "
                 f"call update_scale() once before optimizer.step().")
+        # The earlier backwards decide first; the buffer then counts as an overflow of the latest
+        # one only when none of them made the step skip already: an inf one of them left in
+        # the accumulated gradients reaches the caller's buffer too, and one step backs the
+        # scale off once, as apex's single update_scale() did.
+        (*earlier, (latest_opt, latest)) = pending
         buffer = self.__dict__["_buffer"]
-        if buffer is not None:
-            latest_opt, latest = pending[-1]
-            flag = latest.found_inf(latest_opt, buffer.device)
-            torch.maximum(flag, buffer.reshape(1).ne(0).to(flag.dtype), out=flag)
-            buffer.zero_()
         if self._scaler.on_device:
-            flags = [check.skip_flag(amp_opt) for amp_opt, check in pending]
-            return bool(torch.stack([f.reshape(()) for f in flags]).amax().item())
-        return any([check.skips(amp_opt) for amp_opt, check in pending])   # every one decides
+            flags = [check.skip_flag(amp_opt).reshape(1) for amp_opt, check in earlier]
+            if buffer is not None:
+                flag = latest.found_inf(latest_opt, buffer.device)
+                extra = buffer.reshape(1).ne(0).to(flag.dtype)
+                if flags:
+                    extra = extra * (1.0 - torch.stack(flags).amax().to(flag))
+                torch.maximum(flag, extra, out=flag)
+                buffer.zero_()
+            flags.append(latest.skip_flag(latest_opt).reshape(1))
+            return bool(torch.stack(flags).amax().item())   # the one host read
+        skipped = any([check.skips(amp_opt) for amp_opt, check in earlier])   # each decides
+        if buffer is not None:
+            if not skipped and bool(buffer.reshape(()).item()):
+                flag = latest.found_inf(latest_opt, buffer.device)
+                flag.fill_(1.0)
+            buffer.zero_()
+        return latest.skips(latest_opt) or skipped
 
     def _pending(self) -> List[Tuple[object, object]]:
         """(AmpOptimizer, OverflowCheck) for each check of this scaler not decided yet, oldest
