@@ -1,7 +1,7 @@
 """apex's two-stage LAMB ops, ``amp_C.multi_tensor_lamb_stage1_cuda`` and
 ``amp_C.multi_tensor_lamb_stage2_cuda``, which DeepLearningExamples' BERT (``optimization.py``,
 imported by run_glue.py, run_squad.py and run_swag.py) looks up when it is imported, and whose
-2019 ``BertLAMB`` stepped through them:
+2019 ``BertLAMB`` stepped through them::
 
     stage1(chunk, noop, [grads, params, exp_avgs, exp_avg_sqs, updates], per_tensor_decay,
            step, beta1, beta2, epsilon, global_grad_norm, max_global_grad_norm)
