@@ -21,8 +21,8 @@ l2norm set it to 1 when they meet inf or NaN, and never write 0), an fp32 copy i
 device, handed to the kernel as its ``found_inf`` flag and copied back: two small device ops, no
 host sync; an fp32 flag is used in place. ``multi_tensor_sgd`` reads it (a set flag: nothing is
 written); ``multi_tensor_adam``, ``multi_tensor_lamb``, ``multi_tensor_novograd``,
-``multi_tensor_adagrad`` and the two LAMB stages ignore it, as apex's kernels do. Both backends read the flag and the
-step counts on the device, without a host sync.
+``multi_tensor_adagrad`` and the two LAMB stages ignore it, as apex's kernels do. Both backends
+read the flag and the step counts on the device, without a host sync.
 
 What does not map (each raises, naming it): apex's double-precision tensors; the capturable
 Adam variants (``lr`` and ``step`` as device tensors, fp32 master lists); LAMB with
