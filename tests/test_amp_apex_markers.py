@@ -156,7 +156,6 @@ def test_amp_state_follows_reinitialisation_and_disabling():
     lambda s: setattr(s, "loss_scalers", []),
     lambda s: setattr(s, "opt_properties", None),
     lambda s: delattr(s, "handle"),
-    lambda s: setattr(s.loss_scalers[0], "_loss_scale", 1.0),
     lambda s: setattr(s.opt_properties, "master_weights", False),
 ])
 def test_writing_amp_state_raises_naming_the_public_api(write):
@@ -174,9 +173,9 @@ def test_unknown_amp_state_names_list_what_is_mapped():
                                              r"\['handle', 'loss_scalers', 'opt_properties', "
                                              r"'verbosity'\]"):
         amp._amp_state.hard_override
-    with pytest.raises(AttributeError, match=r"has no attribute '_scale_seq_len'; it maps "
+    with pytest.raises(AttributeError, match=r"has no attribute 'scale_factor'; it maps "
                                              r"\['_has_overflow', '_loss_scale'"):
-        amp._amp_state.loss_scalers[0]._scale_seq_len
+        amp._amp_state.loss_scalers[0].scale_factor
 
 
 # ---- the amp state in the optimizer's state_dict() ---------------------------------------------

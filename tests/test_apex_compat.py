@@ -96,6 +96,7 @@ import apex
 import amp_C
 from apex import amp
 from apex.amp import _amp_state
+import apex.amp._amp_state   # DeepLearningExamples' GNMT: apex.amp._amp_state stays the state
 from apex.optimizers import FusedAdam, FusedLAMB, FusedSGD
 from apex.multi_tensor_apply import multi_tensor_applier
 import apex.amp.scaler
@@ -103,7 +104,8 @@ import apex_lite, apex_lite.amp.scaler, apex_lite.apex_multi_tensor, apex_lite.o
 facts = {
     "apex_file": apex.__file__,
     "amp": amp is apex_lite.amp and apex.amp is amp and "state_dict" in amp.__dict__,
-    "amp_state": _amp_state is apex_lite.amp._amp_state,
+    "amp_state": _amp_state is apex_lite.amp._amp_state is apex.amp._amp_state
+                 and hasattr(apex.amp._amp_state, "loss_scalers"),
     "optimizers": (FusedAdam, FusedLAMB, FusedSGD) == (apex_lite.optimizers.FusedAdam,
                    apex_lite.optimizers.FusedLAMB, apex_lite.optimizers.FusedSGD),
     "amp_C": amp_C is apex_lite.apex_multi_tensor,
@@ -195,3 +197,70 @@ def test_an_engine_that_drives_apex_trains_and_resumes_exactly(compat_target, tm
     assert resumed["amp_state"] == full["amp_state"] == {"loss_scale": 32768.0,
                                                          "unskipped": 11}
     assert resumed["params"] == full["params"]
+
+
+# ---- the offline install: pip install --no-deps --no-build-isolation ./compat/apex -------------
+
+def _compat_setup():
+    """compat/apex/setup.py as a module (its ``setup()`` runs only as ``__main__``)."""
+    spec = importlib.util.spec_from_file_location("compat_apex_setup", COMPAT / "setup.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("command", ["bdist_wheel", "dist_info", "editable_wheel"])
+def test_a_wheel_build_without_the_wheel_tool_names_it(command):
+    problem = _compat_setup().wheel_tool_problem
+    message = problem(["setup.py", command, "--output-dir", "x"], "65.5.0", False)
+    assert "setuptools 65.5.0 needs the 'wheel' package" in message
+    assert "pip install wheel" in message and "setuptools>=70.1" in message
+    assert problem(["setup.py", command], "65.5.0", True) is None        # wheel is there
+    assert problem(["setup.py", command], "70.1.0", False) is None       # setuptools has it
+    assert problem(["setup.py", command], "84.2.1", False) is None
+    assert problem(["setup.py", "egg_info"], "65.5.0", False) is None    # no wheel built
+
+
+@pytest.mark.skipif(os.environ.get("APEX_LITE_DISABLE_EXT", "") == "1",
+                    reason="the install does not depend on the kernel backend: it runs once, "
+                           "in the suite's native pass")
+def test_the_offline_install_in_a_fresh_venv_works_or_names_what_to_install(tmp_path):
+    """The guide's offline command in a venv made as ``python -m venv`` makes one (its pip and
+    setuptools as they come; Python 3.11's setuptools is 65.5, which needs ``wheel`` for a
+    wheel build, and pip's --no-build-isolation does not install it). 13 s on an idle 2-core
+    machine (29 s under load), most of it the venv's ensurepip."""
+    venv = tmp_path / "venv"
+    made = subprocess.run([sys.executable, "-m", "venv", str(venv)], capture_output=True,
+                          text=True, timeout=300)
+    assert made.returncode == 0, made.stderr
+    python = venv / ("Scripts" if os.name == "nt" else "bin") / "python"
+    tools = subprocess.run(
+        [str(python), "-c", "import importlib.util, json, setuptools; print(json.dumps("
+         "[setuptools.__version__, importlib.util.find_spec('wheel') is not None]))"],
+        capture_output=True, text=True, timeout=60)
+    if tools.returncode != 0:
+        pytest.skip(f"this Python's venv has no setuptools (Python 3.12 and later), which any "
+                    f"--no-build-isolation install needs: {tools.stderr.strip()[-200:]}")
+    setuptools_version, has_wheel = json.loads(tools.stdout)
+    source = tmp_path / "src"
+    shutil.copytree(COMPAT, source, ignore=shutil.ignore_patterns("build", "*.egg-info",
+                                                                  "__pycache__"))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "PIP_REQUIRE_VIRTUALENV")}
+    result = subprocess.run(
+        [str(python), "-m", "pip", "install", "--no-index", "--no-deps", "--no-build-isolation",
+         "--disable-pip-version-check", str(source)], capture_output=True, text=True,
+        timeout=300, env=env)
+    output = result.stdout + result.stderr
+    assert "invalid command 'bdist_wheel'" not in output
+    needs_wheel = not has_wheel and tuple(map(int, setuptools_version.split(".")[:2])) < (70, 1)
+    if needs_wheel:
+        assert result.returncode != 0
+        assert f"setuptools {setuptools_version} needs the 'wheel' package" in output, output
+        assert "Run: pip install wheel" in output
+        return
+    assert result.returncode == 0, output
+    version = subprocess.run([str(python), "-c", "import importlib.metadata as m; "
+                              "print(m.version('apex'))"], capture_output=True, text=True,
+                             timeout=60, env=env)
+    assert version.stdout.strip() == "0.1+apexlite", version.stderr

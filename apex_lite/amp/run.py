@@ -12,6 +12,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from ..apex_compat.amp_stash import attach_amp_stash
 from . import casting, ddp, diagnostics, fsdp, init_checks, model_hooks, step_path
 from .init_checks import describe as _describe
 from .opt_params import MOVED_FIX
@@ -272,7 +273,8 @@ def take_over_optimizer(run: _Run, opt: torch.optim.Optimizer, unfused_why: str)
         step_path.FusedStep(stepper, run.pairs)
     amp_opt.install(wrappers)
     # apex's mark of an initialised optimizer, which engines that call initialize lazily
-    # test with hasattr(optimizer, "_amp_stash"); what it holds is apex_lite's own state.
+    # test with hasattr(optimizer, "_amp_stash"), with the attributes apex code reads from it
+    # (the optimizer that steps and each wrapper around it that initialize was given).
     for marked in [stepper] + wrappers:
-        marked._amp_stash = amp_opt
+        attach_amp_stash(marked, amp_opt)
     run.optimizers.append(amp_opt)

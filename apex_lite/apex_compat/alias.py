@@ -50,6 +50,11 @@ TARGETS = {**{name: f"apex_lite.{name}" for name in SUBPACKAGES},
 # apex's compiled top-level modules: the multi-tensor ops (amp_C) and flatten/unflatten (apex_C).
 TOP_LEVEL = {"amp_C": "apex_lite.apex_compat.multi_tensor",
              "apex_C": "apex_lite.apex_compat.apex_c"}
+# apex's modules whose package attribute of the same name is an object (apex/amp/__init__.py:
+# ``from ._amp_state import _amp_state``): ``import apex.amp._amp_state`` (DeepLearningExamples'
+# GNMT) must leave ``apex.amp._amp_state`` that object, so the import gives the object itself.
+# alias name -> (the apex_lite module, the attribute).
+SHADOWED_MODULES = {"apex.amp._amp_state": ("apex_lite.amp", "_amp_state")}
 # What to use instead of the parts of apex that apex_lite does not provide.
 INSTEAD = {
     "transformer": "torch.distributed.tensor.parallel or Megatron-Core",
@@ -123,6 +128,10 @@ class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def find_spec(self, fullname, path=None, target=None):
         parts = fullname.split(".")
+        if fullname in SHADOWED_MODULES:
+            package, attribute = SHADOWED_MODULES[fullname]
+            self._originals[fullname] = getattr(importlib.import_module(package), attribute)
+            return importlib.util.spec_from_loader(fullname, self, is_package=False)
         if fullname in self.top_level:
             target_name = TOP_LEVEL[fullname]
         elif parts[0] != "apex" or len(parts) < 2:
@@ -148,9 +157,13 @@ class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
                                                is_package=hasattr(module, "__path__"))
 
     def create_module(self, spec):
-        return sys.modules[self._originals[spec.name].name]
+        if spec.name in SHADOWED_MODULES:
+            return self._originals[spec.name]   # the object; the import system's writes to it
+        return sys.modules[self._originals[spec.name].name]   # raise AttributeError, ignored
 
     def exec_module(self, module):
+        if not isinstance(module, types.ModuleType):
+            return   # a SHADOWED_MODULES object, nothing to run
         # The import system set __spec__ to the alias's spec; the module stays apex_lite's.
         module.__spec__ = self._originals[module.__spec__.name]
 

@@ -1,6 +1,10 @@
 """``amp._amp_state``: what apex kept in its global ``_amp_state`` (the loss scalers, the opt
-level's properties, the handle, the verbosity), as read-only views over an ``AmpHandle``'s run.
-apex code that reads them works; apex code that writes them is told which API does it instead.
+level's properties, the handle, the verbosity), as views over an ``AmpHandle``'s run. apex code
+that reads them works; apex code that writes them is told which API does it instead, except for
+the loss scalers' internals that apex code sets (``loss_scaler.py``: ``_loss_scale``,
+``_scale_seq_len``, ``_overflow_buf`` and ``update_scale()``), which take effect as in apex.
+``import apex.amp._amp_state`` (DeepLearningExamples' GNMT) gives the view itself, as apex's
+package attribute shadowed its module of that name (``alias.py``).
 """
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Optional
 
 from ..amp.opt_levels import Properties
-from ..amp.scaler import LossScaler
+from .loss_scaler import apex_loss_scaler
 
 if TYPE_CHECKING:
     from ..amp.handle import AmpHandle
@@ -38,47 +42,6 @@ class _ReadOnlyView:
             return vars(type(self))[name].__get__(self)
         raise AttributeError(f"{self._what} (apex_lite's read-only view of apex's state) has no "
                              f"attribute {name!r}; it maps {mapped}")
-
-
-class ApexLossScalerView(_ReadOnlyView):
-    """One entry of ``_amp_state.loss_scalers``: apex's ``LossScaler`` reading names over a
-    ``LossScaler`` (reads of a device scale sync, as ``amp.loss_scalers()`` does)."""
-
-    __slots__ = ("_scaler",)
-    _what = "amp._amp_state.loss_scalers[i]"
-
-    def __init__(self, scaler: LossScaler):
-        object.__setattr__(self, "_scaler", scaler)
-
-    def loss_scale(self) -> float:
-        """The current loss scale (apex's method)."""
-        return self._scaler.loss_scale
-
-    @property
-    def dynamic(self) -> bool:
-        return self._scaler.dynamic
-
-    @property
-    def _loss_scale(self) -> float:
-        return self._scaler.loss_scale
-
-    @property
-    def _unskipped(self) -> int:
-        return self._scaler.apex_state()["unskipped"]
-
-    @property
-    def _has_overflow(self) -> bool:
-        """Whether the latest step's gradients overflowed (read after ``step()``, as apex code
-        does: apex's flag of the latest unscale, apex_lite's of the latest skip decision)."""
-        return self._scaler.last_step_skipped
-
-    @property
-    def _min_loss_scale(self):
-        return self._scaler.min_loss_scale
-
-    @property
-    def _max_loss_scale(self) -> float:
-        return self._scaler.max_loss_scale
 
 
 class ApexPropertiesView(_ReadOnlyView):
@@ -127,7 +90,7 @@ class AmpStateView(_ReadOnlyView):
         run = self.handle._run
         if run is None or not run.enabled:
             return ()
-        return tuple(ApexLossScalerView(scaler) for scaler in run.scalers)
+        return tuple(apex_loss_scaler(scaler, run) for scaler in run.scalers)
 
     @property
     def opt_properties(self) -> ApexPropertiesView:

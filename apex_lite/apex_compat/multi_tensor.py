@@ -20,9 +20,9 @@ in apex (any integer, bool or float dtype is accepted). Where an op sets it (sca
 l2norm set it to 1 when they meet inf or NaN, and never write 0), an fp32 copy is made on the
 device, handed to the kernel as its ``found_inf`` flag and copied back: two small device ops, no
 host sync; an fp32 flag is used in place. ``multi_tensor_sgd`` reads it (a set flag: nothing is
-written); ``multi_tensor_adam``, ``multi_tensor_lamb``, ``multi_tensor_novograd`` and
-``multi_tensor_adagrad`` ignore it, as apex's kernels do. Both backends read the flag and the
-step counts on the device, without a host sync.
+written); ``multi_tensor_adam``, ``multi_tensor_lamb``, ``multi_tensor_novograd``,
+``multi_tensor_adagrad`` and the two LAMB stages ignore it, as apex's kernels do. Both backends
+read the flag and the step counts on the device, without a host sync.
 
 What does not map (each raises, naming it): apex's double-precision tensors; the capturable
 Adam variants (``lr`` and ``step`` as device tensors, fp32 master lists); LAMB with
@@ -31,13 +31,18 @@ from apex's by rounding only, the op's docstring says so.
 """
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import Tuple
 
 import torch
 
 from .. import multi_tensor
 from ..multi_tensor._backend import ops_for
 from ..optimizers.update import unit_scalars
+from .amp_c_args import (arg_lists, check_aligned, check_noop, flag_where, fp32_state,
+                         host_number, noop_as_found_inf, scalar_tensor, set_noop, step_counts,
+                         write_back)
+# apex's two-stage LAMB (DeepLearningExamples' BERT looks these up when imported).
+from .lamb_stages import multi_tensor_lamb_stage1_cuda, multi_tensor_lamb_stage2_cuda  # noqa: F401
 
 __all__ = ["MultiTensorApply", "multi_tensor_applier", "multi_tensor_scale",
            "multi_tensor_axpby", "multi_tensor_l2norm", "multi_tensor_sgd", "multi_tensor_adam",
@@ -45,8 +50,6 @@ __all__ = ["MultiTensorApply", "multi_tensor_applier", "multi_tensor_scale",
 
 AMP_C_OPS = ("multi_tensor_scale", "multi_tensor_axpby", "multi_tensor_l2norm",
              "multi_tensor_sgd", "multi_tensor_adam", "multi_tensor_lamb")
-
-_STEPPED = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class MultiTensorApply:
@@ -70,116 +73,6 @@ class MultiTensorApply:
 multi_tensor_applier = MultiTensorApply(2048 * 32)
 
 
-# ---- arguments ----------------------------------------------------------------------------------
-
-def _lists(op: str, tensor_lists, layouts: Sequence[str]) -> List[List[torch.Tensor]]:
-    """``tensor_lists`` as lists, after checking their number against apex's layouts."""
-    counts = {len(layout.split(",")) for layout in layouts}
-    if not isinstance(tensor_lists, (list, tuple)) or len(tensor_lists) not in counts:
-        got = (f"{len(tensor_lists)} lists" if isinstance(tensor_lists, (list, tuple))
-               else f"a {type(tensor_lists).__name__}")
-        raise ValueError(f"amp_C.{op} takes the tensor lists [{'] or ['.join(layouts)}], got "
-                         f"{got}")
-    for i, tensors in enumerate(tensor_lists):
-        if not isinstance(tensors, (list, tuple)):
-            raise TypeError(f"amp_C.{op}: tensor_lists[{i}] is a {type(tensors).__name__}, not a "
-                            f"list of tensors")
-    return [list(tensors) for tensors in tensor_lists]
-
-
-def _check_aligned(op: str, names: Sequence[str], lists: List[List[torch.Tensor]]) -> None:
-    """One tensor per parameter in every list (``lists[1]`` holds the parameters), on the
-    parameters' device, of their shape, and fp32, fp16 or bf16 (state that is not fp32 is
-    staged through fp32)."""
-    params = lists[1]
-    for name, tensors in zip(names, lists):
-        if len(tensors) != len(params):
-            raise ValueError(f"amp_C.{op}: {name} has {len(tensors)} tensors but params has "
-                             f"{len(params)}; apex's lists are aligned, one entry per parameter")
-    device = params[0].device if params else None
-    for index, (name, tensors) in enumerate(zip(names, lists)):
-        for i, t in enumerate(tensors):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"amp_C.{op}: {name}[{i}] is a {type(t).__name__}, not a tensor")
-            if t.dtype not in _STEPPED:
-                what = ("apex's double-precision path is not provided"
-                        if t.dtype == torch.float64 else "apex_lite steps float32, float16 and "
-                        "bfloat16 tensors")
-                raise TypeError(f"amp_C.{op}: {name}[{i}] is {t.dtype}; {what}")
-            if t.device != device:
-                raise ValueError(f"amp_C.{op}: {name}[{i}] is on {t.device} but params[0] is on "
-                                 f"{device}; call once per device")
-            if t.shape != params[i].shape:
-                raise ValueError(f"amp_C.{op}: {name}[{i}] has shape {tuple(t.shape)} but "
-                                 f"params[{i}] has {tuple(params[i].shape)}")
-
-
-def _check_noop(op: str, noop_flag, device: torch.device) -> None:
-    if not isinstance(noop_flag, torch.Tensor) or noop_flag.numel() != 1:
-        got = (f"{noop_flag.numel()} elements" if isinstance(noop_flag, torch.Tensor)
-               else type(noop_flag).__name__)
-        raise TypeError(f"amp_C.{op}: noop_flag must be a 1-element tensor, as apex's "
-                        f"torch.zeros(1, dtype=torch.int, device=...); got {got}")
-    if noop_flag.is_complex():
-        raise TypeError(f"amp_C.{op}: noop_flag is {noop_flag.dtype}; use an integer (apex: "
-                        f"torch.int), bool or float tensor")
-    if noop_flag.device != device:
-        raise ValueError(f"amp_C.{op}: noop_flag is on {noop_flag.device} but the tensors are "
-                         f"on {device}; create it on their device, as apex does "
-                         f"(torch.zeros(1, dtype=torch.int, device={str(device)!r}))")
-
-
-def _found_inf(op: str, noop_flag, device: torch.device) -> torch.Tensor:
-    """``noop_flag`` as the 1-element fp32 flag the kernels take: itself when it is fp32, else
-    an fp32 copy on the device (no host sync); ``_set_noop`` copies it back."""
-    _check_noop(op, noop_flag, device)
-    if noop_flag.dtype == torch.float32:
-        return noop_flag.view(1)
-    return noop_flag.reshape(1).to(torch.float32)
-
-
-def _set_noop(noop_flag: torch.Tensor, found_inf: torch.Tensor) -> None:
-    if noop_flag.dtype != torch.float32:
-        noop_flag.copy_(found_inf.view(noop_flag.shape))
-
-
-def _flag(found_inf: torch.Tensor, bad: torch.Tensor) -> None:
-    """Set ``found_inf`` where the bool ``bad`` is true; never writes 0; no host sync."""
-    torch.maximum(found_inf, bad.to(torch.float32).reshape(1), out=found_inf)
-
-
-def _fp32_state(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
-    """The kernels keep optimizer state in fp32; apex's lists may hold half state (of half
-    parameters): fp32 copies of those, written back rounded once by ``_write_back``."""
-    return [t if t.dtype == torch.float32 else t.float() for t in tensors]
-
-
-def _write_back(tensors: List[torch.Tensor], staged: List[torch.Tensor]) -> None:
-    for t, s in zip(tensors, staged):
-        if s is not t:
-            t.copy_(s)
-
-
-def _number(op: str, name: str, value, kind=float):
-    if isinstance(value, torch.Tensor):
-        raise TypeError(f"amp_C.{op}: {name} is a tensor; apex_lite provides apex's "
-                        f"non-capturable form, where {name} is a Python number (the capturable "
-                        f"variants, with lr and step on the device, are not provided: use "
-                        f"apex_lite.optimizers.FusedAdam)")
-    return kind(value)
-
-
-def _step_counts(op: str, step, count: int, device: torch.device) -> List[torch.Tensor]:
-    """apex passes the step being taken (1 for the first) for all tensors; the kernels take one
-    count per parameter and add 1 before using it: views of one buffer holding ``step - 1``."""
-    step = _number(op, "step", step, int)
-    if step < 1:
-        raise ValueError(f"amp_C.{op}: step={step}; apex passes the number of the step being "
-                         f"taken, 1 for the first (its bias correction divides by 1 - beta**step)")
-    return list(torch.full((count,), float(step - 1), dtype=torch.float32,
-                           device=device).unbind(0))
-
-
 class _AdamFamilyCall:
     """The checked arguments of apex's Adam and LAMB ops, as the kernels take them: the lists
     ``[grads, params, exp_avgs, exp_avg_sqs]``, fp32 moments (``write_back`` rounds them into
@@ -187,8 +80,8 @@ class _AdamFamilyCall:
 
     def __init__(self, op: str, noop_flag, tensor_lists, lr, step, mode):
         names = ["grads", "params", "exp_avgs", "exp_avg_sqs"]
-        lists = _lists(op, tensor_lists, [", ".join(names)])
-        _check_aligned(op, names, lists)
+        lists = arg_lists(op, tensor_lists, [", ".join(names)])
+        check_aligned(op, names, lists)
         if mode not in (0, 1):
             raise ValueError(f"amp_C.{op}: mode={mode!r}; apex's modes are 0 (L2 "
                              f"regularisation, Adam) and 1 (decoupled weight decay, AdamW)")
@@ -196,14 +89,14 @@ class _AdamFamilyCall:
         if not self.params:
             return
         self.device = self.params[0].device
-        _check_noop(op, noop_flag, self.device)
-        self.steps = _step_counts(op, step, len(self.params), self.device)
-        self.lr = _number(op, "lr", lr)
-        self.m, self.v = _fp32_state(self.exp_avgs), _fp32_state(self.exp_avg_sqs)
+        check_noop(op, noop_flag, self.device)
+        self.steps = step_counts(op, step, len(self.params), self.device)
+        self.lr = host_number(op, "lr", lr)
+        self.m, self.v = fp32_state(self.exp_avgs), fp32_state(self.exp_avg_sqs)
 
     def write_back(self) -> None:
-        _write_back(self.exp_avgs, self.m)
-        _write_back(self.exp_avg_sqs, self.v)
+        write_back(self.exp_avgs, self.m)
+        write_back(self.exp_avg_sqs, self.v)
 
 
 # ---- the ops --------------------------------------------------------------------------------
@@ -212,13 +105,13 @@ def multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale) -> None:
     """apex's ``amp_C.multi_tensor_scale``: lists ``[inputs, outputs]``, ``out = in * scale`` in
     fp32 rounded once (outputs may be the inputs); sets ``noop_flag`` when an input holds inf or
     NaN."""
-    inputs, outputs = _lists("multi_tensor_scale", tensor_lists, ["inputs, outputs"])
+    inputs, outputs = arg_lists("multi_tensor_scale", tensor_lists, ["inputs, outputs"])
     if not inputs and not outputs:
         return
     device = (inputs or outputs)[0].device
-    found_inf = _found_inf("multi_tensor_scale", noop_flag, device)
+    found_inf = noop_as_found_inf("multi_tensor_scale", noop_flag, device)
     multi_tensor.scale(inputs, outputs, scale, found_inf)
-    _set_noop(noop_flag, found_inf)
+    set_noop(noop_flag, found_inf)
 
 
 def multi_tensor_axpby(chunk_size, noop_flag, tensor_lists, a, b, arg_to_check) -> None:
@@ -226,24 +119,24 @@ def multi_tensor_axpby(chunk_size, noop_flag, tensor_lists, a, b, arg_to_check) 
     sets ``noop_flag`` when a checked input holds inf or NaN: ``arg_to_check`` -1 both, 0 the
     xs, 1 the ys (checked before anything is written)."""
     op = "multi_tensor_axpby"
-    xs, ys, outputs = _lists(op, tensor_lists, ["xs, ys, outputs"])
+    xs, ys, outputs = arg_lists(op, tensor_lists, ["xs, ys, outputs"])
     if arg_to_check not in (-1, 0, 1):
         raise ValueError(f"amp_C.{op}: arg_to_check={arg_to_check!r}; apex's values are -1 "
                          f"(check xs and ys), 0 (xs) and 1 (ys)")
     if not xs and not ys and not outputs:
         return
     device = (xs or ys or outputs)[0].device
-    found_inf = _found_inf(op, noop_flag, device)
+    found_inf = noop_as_found_inf(op, noop_flag, device)
     if arg_to_check == -1:
         multi_tensor.axpby(xs, ys, outputs, a, b, found_inf)
     else:
         checked = xs if arg_to_check == 0 else ys
         if checked:
-            _flag(found_inf, multi_tensor.nonfinite_flags(checked).any())
+            flag_where(found_inf, multi_tensor.nonfinite_flags(checked).any())
         # The kernel checks both lists; its flag is not apex's here.
         multi_tensor.axpby(xs, ys, outputs, a, b,
                            torch.zeros(1, dtype=torch.float32, device=device))
-    _set_noop(noop_flag, found_inf)
+    set_noop(noop_flag, found_inf)
 
 
 def multi_tensor_l2norm(chunk_size, noop_flag, tensor_lists, per_tensor=None
@@ -256,7 +149,7 @@ def multi_tensor_l2norm(chunk_size, noop_flag, tensor_lists, per_tensor=None
 
 
 def _l2norm(op: str, noop_flag, tensor_lists, per_tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    (tensors,) = _lists(op, tensor_lists, ["tensors"])
+    (tensors,) = arg_lists(op, tensor_lists, ["tensors"])
     if not tensors:
         device = noop_flag.device if isinstance(noop_flag, torch.Tensor) else None
         return (torch.zeros(1, dtype=torch.float32, device=device),
@@ -264,14 +157,14 @@ def _l2norm(op: str, noop_flag, tensor_lists, per_tensor) -> Tuple[torch.Tensor,
     if not isinstance(tensors[0], torch.Tensor):
         raise TypeError(f"amp_C.{op}: tensor_lists[0][0] is a {type(tensors[0]).__name__}, not "
                         f"a tensor")
-    found_inf = _found_inf(op, noop_flag, tensors[0].device)
+    found_inf = noop_as_found_inf(op, noop_flag, tensors[0].device)
     if per_tensor:
         total, norms = multi_tensor.l2norm(tensors, per_tensor=True)
     else:
         total = multi_tensor.l2norm(tensors)
         norms = total.new_zeros(0)
-    _flag(found_inf, ~torch.isfinite(total))
-    _set_noop(noop_flag, found_inf)
+    flag_where(found_inf, ~torch.isfinite(total))
+    set_noop(noop_flag, found_inf)
     return total, norms
 
 
@@ -284,23 +177,23 @@ def multi_tensor_sgd(chunk_size, noop_flag, tensor_lists, wd, momentum, dampenin
     is apex's, in fp32, each parameter rounded once (``apex_lite.optimizers.FusedSGD``'s op);
     half momentum buffers are updated in fp32 and rounded once."""
     op = "multi_tensor_sgd"
-    lists = _lists(op, tensor_lists, ["grads, params, momentum_buffers",
+    lists = arg_lists(op, tensor_lists, ["grads, params, momentum_buffers",
                                       "grads, params, momentum_buffers, model_params"])
     names = ["grads", "params", "momentum_buffers", "model_params"]
-    _check_aligned(op, names, lists)
+    check_aligned(op, names, lists)
     grads, params, buffers = lists[:3]
     model_params = lists[3] if len(lists) == 4 else []
     if not params:
         return
     device = params[0].device
-    found_inf = _found_inf(op, noop_flag, device)
+    found_inf = noop_as_found_inf(op, noop_flag, device)
     momentum = float(momentum)
-    staged = _fp32_state(buffers) if momentum != 0.0 else []
+    staged = fp32_state(buffers) if momentum != 0.0 else []
     inv_scale = torch.full((1,), float(scale), dtype=torch.float32, device=device)
     ops_for(device).fused_sgd_(params, grads, staged, model_params, inv_scale, found_inf,
                                float(lr), momentum, float(dampening), float(wd), bool(nesterov),
                                bool(wd_after_momentum), bool(first_run))
-    _write_back(buffers, staged)
+    write_back(buffers, staged)
 
 
 def multi_tensor_adam(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps, step, mode,
@@ -334,7 +227,7 @@ def multi_tensor_lamb(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps
     half rounding. ``max_grad_norm <= 0`` is refused: apex's kernel then divides every gradient
     by ``norm / 0``."""
     op = "multi_tensor_lamb"
-    max_grad_norm = _number(op, "max_grad_norm", max_grad_norm)
+    max_grad_norm = host_number(op, "max_grad_norm", max_grad_norm)
     if not max_grad_norm > 0.0:
         raise ValueError(f"amp_C.{op}: max_grad_norm={max_grad_norm}; apex's kernel divides "
                          f"the gradients by global_grad_norm / max_grad_norm, which is inf (or "
@@ -389,19 +282,6 @@ def multi_tensor_l2norm_mp(chunk_size, noop_flag, tensor_lists, per_tensor=None
     return _l2norm("multi_tensor_l2norm_mp", noop_flag, tensor_lists, per_tensor)
 
 
-def _scalar_tensor(op: str, name: str, value, device: torch.device) -> torch.Tensor:
-    """A number or 1-element tensor on ``device`` as the 1-element fp32 tensor the ops take."""
-    if not isinstance(value, torch.Tensor):
-        return torch.full((1,), float(value), dtype=torch.float32, device=device)
-    if value.numel() != 1 or value.is_complex():
-        raise TypeError(f"amp_C.{op}: {name} must be a 1-element real tensor (or a number), got "
-                        f"{value.numel()} elements of {value.dtype}")
-    if value.device != device:
-        raise ValueError(f"amp_C.{op}: {name} is on {value.device} but the tensors are on "
-                         f"{device}; apex's kernel reads it there")
-    return value.reshape(1).to(torch.float32)
-
-
 def multi_tensor_lamb_mp(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, epsilon, step,
                          bias_correction, weight_decay, grad_averaging, mode, global_grad_norm,
                          max_grad_norm, use_nvlamb, found_inf, inv_scale) -> None:
@@ -418,8 +298,8 @@ def multi_tensor_lamb_mp(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, 
     left as they are, and the update stays in fp32 until the parameter is written."""
     op = "multi_tensor_lamb_mp"
     names = ["grads", "params", "exp_avgs", "exp_avg_sqs", "model_params"]
-    lists = _lists(op, tensor_lists, [", ".join(names[:4]), ", ".join(names)])
-    _check_aligned(op, names, lists)
+    lists = arg_lists(op, tensor_lists, [", ".join(names[:4]), ", ".join(names)])
+    check_aligned(op, names, lists)
     if mode not in (0, 1):
         raise ValueError(f"amp_C.{op}: mode={mode!r}; apex's modes are 0 (L2 regularisation) "
                          f"and 1 (decoupled weight decay)")
@@ -428,25 +308,25 @@ def multi_tensor_lamb_mp(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, 
     if not params:
         return
     device = params[0].device
-    if not isinstance(step, torch.Tensor) and _number(op, "step", step, int) < 1:
+    if not isinstance(step, torch.Tensor) and host_number(op, "step", step, int) < 1:
         raise ValueError(f"amp_C.{op}: step={step}; apex passes the number of the step being "
                          f"taken, 1 for the first")
-    skip = torch.maximum(_found_inf(op, noop_flag, device),
-                         _scalar_tensor(op, "found_inf", found_inf, device))
+    skip = torch.maximum(noop_as_found_inf(op, noop_flag, device),
+                         scalar_tensor(op, "found_inf", found_inf, device))
     # The clip divisor from the ratio of the two scaled norms: the op clips when its grad_norm
     # exceeds max_grad_norm (here 1) and divides by grad_norm / 1.
-    ratio = (_scalar_tensor(op, "global_grad_norm", global_grad_norm, device)
-             / _scalar_tensor(op, "max_grad_norm", max_grad_norm, device))
-    m, v = _fp32_state(exp_avgs), _fp32_state(exp_avg_sqs)
+    ratio = (scalar_tensor(op, "global_grad_norm", global_grad_norm, device)
+             / scalar_tensor(op, "max_grad_norm", max_grad_norm, device))
+    m, v = fp32_state(exp_avgs), fp32_state(exp_avg_sqs)
     with torch.no_grad():    # apex's kernels write parameters outside autograd
         ops_for(device).fused_lamb_mp_(
-            params, grads, m, v, model_params, _scalar_tensor(op, "step", step, device),
-            _scalar_tensor(op, "lr", lr, device),
-            _scalar_tensor(op, "inv_scale", inv_scale, device), skip, ratio, float(beta1),
+            params, grads, m, v, model_params, scalar_tensor(op, "step", step, device),
+            scalar_tensor(op, "lr", lr, device),
+            scalar_tensor(op, "inv_scale", inv_scale, device), skip, ratio, float(beta1),
             float(beta2), float(epsilon), float(weight_decay), mode == 1, bool(bias_correction),
             bool(grad_averaging), 1.0, bool(use_nvlamb))
-        _write_back(exp_avgs, m)
-        _write_back(exp_avg_sqs, v)
+        write_back(exp_avgs, m)
+        write_back(exp_avg_sqs, v)
 
 # ---- end issue 27 ----
 
@@ -467,8 +347,8 @@ def multi_tensor_novograd(chunk_size, noop_flag, tensor_lists, grad_norms, lr, b
     and rounded once."""
     op = "multi_tensor_novograd"
     names = ["grads", "params", "exp_avgs"]
-    lists = _lists(op, tensor_lists, [", ".join(names)])
-    _check_aligned(op, names, lists)
+    lists = arg_lists(op, tensor_lists, [", ".join(names)])
+    check_aligned(op, names, lists)
     if moment_mode not in (0, 1):
         raise ValueError(f"amp_C.{op}: moment_mode={moment_mode!r}; apex's modes are 0 "
                          f"(regularisation inside the moment) and 1 (decoupled)")
@@ -479,7 +359,7 @@ def multi_tensor_novograd(chunk_size, noop_flag, tensor_lists, grad_norms, lr, b
     if not params:
         return
     device = params[0].device
-    _check_noop(op, noop_flag, device)
+    check_noop(op, noop_flag, device)
     if not isinstance(grad_norms, torch.Tensor) or grad_norms.numel() != len(params) \
             or grad_norms.device != device or not grad_norms.is_floating_point():
         raise TypeError(f"amp_C.{op}: grad_norms must be a floating tensor on {device} with one "
@@ -487,14 +367,14 @@ def multi_tensor_novograd(chunk_size, noop_flag, tensor_lists, grad_norms, lr, b
     norms = grad_norms.detach().reshape(-1)
     staged_norms = norms if norms.dtype == torch.float32 and norms.is_contiguous() \
         else norms.to(torch.float32).contiguous()
-    steps = _step_counts(op, step, len(params), device)
-    m = _fp32_state(exp_avgs)
+    steps = step_counts(op, step, len(params), device)
+    m = fp32_state(exp_avgs)
     inv_scale, found_inf = unit_scalars(device)   # apex's kernel reads neither
     ops_for(device).fused_novograd_(
         params, grads, m, list(staged_norms.unbind(0)), [], steps, inv_scale, found_inf,
-        _number(op, "lr", lr), float(beta1), float(beta2), float(epsilon), float(weight_decay),
+        host_number(op, "lr", lr), float(beta1), float(beta2), float(epsilon), float(weight_decay),
         bool(bias_correction), bool(grad_averaging), moment_mode == 0, int(norm_type), True)
-    _write_back(exp_avgs, m)
+    write_back(exp_avgs, m)
     if staged_norms is not norms:
         norms.copy_(staged_norms)
 
@@ -507,8 +387,8 @@ def multi_tensor_adagrad(chunk_size, noop_flag, tensor_lists, lr, epsilon, mode,
     once; half sums are updated in fp32 and rounded once."""
     op = "multi_tensor_adagrad"
     names = ["grads", "params", "sums"]
-    lists = _lists(op, tensor_lists, [", ".join(names)])
-    _check_aligned(op, names, lists)
+    lists = arg_lists(op, tensor_lists, [", ".join(names)])
+    check_aligned(op, names, lists)
     if mode not in (0, 1):
         raise ValueError(f"amp_C.{op}: mode={mode!r}; apex's modes are 0 (L2 regularisation) "
                          f"and 1 (decoupled weight decay)")
@@ -516,16 +396,18 @@ def multi_tensor_adagrad(chunk_size, noop_flag, tensor_lists, lr, epsilon, mode,
     if not params:
         return
     device = params[0].device
-    _check_noop(op, noop_flag, device)
-    h = _fp32_state(sums)
+    check_noop(op, noop_flag, device)
+    h = fp32_state(sums)
     # The kernels count steps (torch's Adagrad keeps the count); apex's lists have none.
     steps = list(torch.zeros(len(params), dtype=torch.float32, device=device).unbind(0))
     inv_scale, found_inf = unit_scalars(device)   # apex's kernel reads neither
     ops_for(device).fused_adagrad_(params, grads, h, [], steps, inv_scale, found_inf,
-                                   _number(op, "lr", lr), float(epsilon), float(weight_decay),
+                                   host_number(op, "lr", lr), float(epsilon), float(weight_decay),
                                    mode == 1)
-    _write_back(sums, h)
+    write_back(sums, h)
 
 
 AMP_C_OPS += ("multi_tensor_novograd", "multi_tensor_adagrad")
 __all__ += ["multi_tensor_novograd", "multi_tensor_adagrad"]
+AMP_C_OPS += ("multi_tensor_lamb_stage1_cuda", "multi_tensor_lamb_stage2_cuda")
+__all__ += ["multi_tensor_lamb_stage1_cuda", "multi_tensor_lamb_stage2_cuda"]

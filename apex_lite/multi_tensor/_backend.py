@@ -9,13 +9,13 @@ error.
 from __future__ import annotations
 
 import logging
-import os
 from types import ModuleType
 from typing import Dict, Optional, Tuple
 
 import torch
 
-from . import _python
+from . import _native, _python
+from ._env import env_flag
 
 logger = logging.getLogger("apex_lite.multi_tensor")
 
@@ -26,29 +26,21 @@ class NativeBackendUnavailable(RuntimeError):
     """Raised when APEX_LITE_REQUIRE_EXT=1 and the native kernels cannot serve a device."""
 
 
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
-
-
 def _native_ops(device_type: str) -> Tuple[Optional[ModuleType], str, bool]:
     """``(ops, why, expected)``: the native op module for ``device_type`` or None and the reason
     it cannot be used, and whether native kernels were expected here (False: a pure-Python
     install by choice)."""
-    try:
-        from . import _native
-    except ImportError as exc:  # the loader itself is part of the package; keep the real text
-        return None, f"apex_lite's native loader failed to import: {exc}", True
     ops, why = _native.ops_for(device_type)
     return ops, why, ops is None and _native.native_expected() is not None
 
 
 def _choose(device_type: str) -> Tuple[ModuleType, str, str]:
-    if _env_flag("APEX_LITE_DISABLE_EXT"):
+    if env_flag("APEX_LITE_DISABLE_EXT"):
         return _python, "python", "APEX_LITE_DISABLE_EXT=1 is set"
     ops, reason, expected = _native_ops(device_type)
     if ops is not None:
         return ops, "native", reason
-    if _env_flag("APEX_LITE_REQUIRE_EXT"):
+    if env_flag("APEX_LITE_REQUIRE_EXT"):
         raise NativeBackendUnavailable(
             f"APEX_LITE_REQUIRE_EXT=1 is set but the native multi-tensor kernels cannot serve "
             f"{device_type!r} devices: {reason}. Rebuild with the extension (see the README's "

@@ -13,7 +13,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from ._backend import _env_flag
+from ._env import env_flag
 
 # Environment variables that ask for native kernels, at build time or (JIT) at run time.
 REQUEST_VARS = ("APEX_LITE_JIT", "APEX_LITE_CPP_EXT", "APEX_LITE_CUDA_EXT")
@@ -68,7 +68,7 @@ def native_expected() -> Optional[str]:
     user installed, so falling back to it is news (INFO), not a problem (WARNING).
     """
     for name in REQUEST_VARS:
-        if _env_flag(name):
+        if env_flag(name):
             return f"{name}=1 is set"
     if _build_info() is not None:
         return "setup.py built apex_lite._C (apex_lite/_build_info.py records it)"
@@ -102,7 +102,7 @@ def _import_built() -> Tuple[bool, str]:
 def _load() -> Tuple[bool, str]:
     global _loaded
     if _loaded is None:
-        if _env_flag("APEX_LITE_JIT"):
+        if env_flag("APEX_LITE_JIT"):
             from . import _jit
             _loaded = _jit.build_and_load()
         else:

@@ -9,6 +9,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from ..apex_compat.optimizer_attributes import DummyOverflowBuf
 from ..multi_tensor import _torch_fused
 from ..multi_tensor._backend import backend
 from .update import STEPPED_DTYPES, FusedUpdate, group_by_device, unit_scalars
@@ -40,6 +41,8 @@ class FusedOptimizer(torch.optim.Optimizer):
     # Instance attributes that pickling and deepcopy keep (torch's __getstate__ keeps only
     # defaults, state and param_groups).
     _kept_attributes: Tuple[str, ...] = ("set_grad_none",)
+    # apex's noop flag of its multi-tensor calls, which code written for apex passes to amp_C.
+    _dummy_overflow_buf = DummyOverflowBuf()
 
     def __init__(self, params, defaults: dict, set_grad_none: bool):
         self.set_grad_none = set_grad_none

@@ -16,6 +16,7 @@ from typing import List, NamedTuple, Tuple
 
 import torch
 
+from ..apex_compat.optimizer_attributes import ApexMode, ApexOp
 from ..multi_tensor import _torch_fused
 from ._optimizer import FusedOptimizer
 from .update import FusedUpdate, fp32_like, state_entry, step_tensor
@@ -125,6 +126,9 @@ class FusedAdagrad(FusedOptimizer):
         super().__init__(params, defaults, set_grad_none)
 
     _update_class = AdagradUpdate
+    # apex's per-instance attributes.
+    multi_tensor_adagrad = ApexOp("multi_tensor_adagrad")
+    adagrad_w_mode = ApexMode("adagrad_w_mode")
 
     @staticmethod
     def _check_lr_decay(lr_decay, where: str) -> None:

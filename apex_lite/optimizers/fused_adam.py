@@ -16,6 +16,7 @@ from typing import List, NamedTuple
 
 import torch
 
+from ..apex_compat.optimizer_attributes import ApexMode, ApexOp
 from ..multi_tensor import _torch_fused
 from ._optimizer import FusedOptimizer
 from .update import FusedUpdate, moment_lists
@@ -116,6 +117,9 @@ class FusedAdam(FusedOptimizer):
         super().__init__(params, defaults, set_grad_none)
 
     _update_class = AdamUpdate
+    # apex's per-instance attributes (fairseq's FusedAdamV2 steps through them).
+    multi_tensor_adam = ApexOp("multi_tensor_adam")
+    adam_w_mode = ApexMode("adam_w_mode")
 
     def _hyper(self, group: dict) -> AdamHyper:
         return AdamHyper.from_group(group)

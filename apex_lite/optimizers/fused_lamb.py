@@ -25,6 +25,7 @@ from typing import Dict, Iterable, List, NamedTuple, Optional, Tuple
 
 import torch
 
+from ..apex_compat.optimizer_attributes import ApexMode, ApexOp
 from ..multi_tensor._backend import ops_for
 from ._optimizer import FusedOptimizer, Scalars
 from .fused_adam import AdamHyper
@@ -163,6 +164,11 @@ class FusedLAMB(FusedOptimizer):
         super().__init__(params, defaults, set_grad_none)
 
     _update_class = LambUpdate
+    # apex's per-instance attributes.
+    multi_tensor_lamb = ApexOp("multi_tensor_lamb")
+    multi_tensor_l2norm = ApexOp("multi_tensor_l2norm")
+    adam_w_mode = ApexMode("adam_w_mode")
+    use_nvlamb = ApexMode("use_nvlamb", to_apex=bool, values=(False, True))
 
     def _hyper(self, group: dict) -> LambHyper:
         return LambHyper.from_group(group)

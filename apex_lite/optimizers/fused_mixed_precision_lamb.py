@@ -27,6 +27,7 @@ from typing import Dict, List, NamedTuple, Optional
 
 import torch
 
+from ..apex_compat.optimizer_attributes import ApexMode, ApexOp
 from ._optimizer import FusedOptimizer, Scalars
 from .fused_lamb import LambHyper, grads_and_global_norm
 from .update import FusedUpdate, fp32_like, state_entry, zeros32
@@ -192,6 +193,11 @@ class FusedMixedPrecisionLamb(FusedOptimizer):
     """
 
     _kept_attributes = FusedOptimizer._kept_attributes + ("reduced_precision_dtype",)
+    # apex's per-instance attributes (its ops here are amp_C's mixed-precision ones).
+    multi_tensor_lamb = ApexOp("multi_tensor_lamb_mp")
+    multi_tensor_l2norm = ApexOp("multi_tensor_l2norm_mp")
+    adam_w_mode = ApexMode("adam_w_mode")
+    use_nvlamb = ApexMode("use_nvlamb", to_apex=bool, values=(False, True))
 
     def __init__(self, params, lr=1e-3, step=0, bias_correction=True, betas=(0.9, 0.999),
                  eps=1e-6, weight_decay=0.01, amsgrad=False, adam_w_mode=True,

@@ -28,6 +28,7 @@ from typing import List, NamedTuple, Tuple
 
 import torch
 
+from ..apex_compat.optimizer_attributes import ApexMode, ApexOp
 from ._optimizer import FusedOptimizer
 from .update import FusedUpdate, fp32_like, state_entry, step_tensor, zeros32
 from .watched_state import watch_state
@@ -161,6 +162,10 @@ class FusedNovoGrad(FusedOptimizer):
         super().__init__(params, defaults, set_grad_none)
 
     _update_class = NovoGradUpdate
+    # apex's per-instance attributes: moment_mode is 0 with reg_inside_moment, else 1.
+    multi_tensor_novograd = ApexOp("multi_tensor_novograd")
+    moment_mode = ApexMode("reg_inside_moment", to_apex=lambda inside: 0 if inside else 1,
+                           from_apex=lambda mode: mode == 0)
 
     def _hyper(self, group: dict) -> NovoGradHyper:
         return NovoGradHyper.from_group(group)

@@ -25,6 +25,7 @@ from typing import Dict, List, NamedTuple, Optional
 import torch
 from torch.optim.optimizer import required
 
+from ..apex_compat.optimizer_attributes import ApexMode, ApexOp
 from ..multi_tensor import _torch_fused
 from ._optimizer import FusedOptimizer
 from .update import FusedUpdate, is_unit_found_inf, fp32_like, state_entry, zeros32
@@ -188,6 +189,9 @@ class FusedSGD(FusedOptimizer):
         super().__init__(params, defaults, set_grad_none)
 
     _update_class = SGDUpdate
+    # apex's per-instance attributes.
+    multi_tensor_sgd = ApexOp("multi_tensor_sgd")
+    wd_after_momentum = ApexMode("wd_after_momentum", to_apex=bool, values=(False, True))
     _kept_attributes = FusedOptimizer._kept_attributes + ("materialize_master_grads",)
 
     def _hyper(self, group: dict) -> SGDHyper:
