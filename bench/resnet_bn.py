@@ -413,10 +413,10 @@ def main(argv=None) -> int:
         cuda = device.type == "cuda"
         cols = ["ms", "peak_mib"] if cuda else ["ms", "rss_mib", "live_mib", "saved_mib"]
         print("\n" + f"{'mode':9s}" + "".join(f"{c:>11s}" for c in cols)
-              + "".join(f"{c + ' x fp32':>15s}{c + ' x ac':>13s}" for c in cols[:3 - cuda]))
+              + "".join(f"  {c + ' x fp32':>13s}{c + ' x ac':>13s}" for c in cols[:3 - cuda]))
         for mode, r in record["results"].items():
             print(f"{mode:9s}" + "".join(f"{r[c]:11.1f}" for c in cols) + "".join(
-                f"{r[c + '_x_fp32'] or 0:15.2f}{r[c + '_x_autocast'] or 0:13.2f}"
+                f"  {r[c + '_x_fp32'] or 0:13.2f}{r[c + '_x_autocast'] or 0:13.2f}"
                 for c in cols[:3 - cuda] if c + "_x_fp32" in r))
         for claim, ok in record["verdict"].items():
             print(f"{claim}: {ok}")
