@@ -17,7 +17,7 @@ import gpu_check  # noqa: E402
 import gpu_check_report as report  # noqa: E402
 
 PARTS = ["versions", "build", "tests_native", "tests_python", "sanitizer", "bench_kernels",
-         "bench_optimizers", "bench_o2_step", "bench_train", "timm"]
+         "bench_optimizers", "bench_o2_step", "bench_train", "bench_resnet_bn", "timm"]
 
 
 @pytest.mark.skipif(os.environ.get("APEX_LITE_DISABLE_EXT", "") == "1",
@@ -104,7 +104,10 @@ def test_headline_ratios_come_from_the_benches_records(tmp_path, capsys):
              "o2_step": {"results": {
                  "fp32 AdamW(fused)": {"ms": 2.0, "peak_mib": 100.0},
                  "GradScaler AdamW(fused)": {"ms": 4.0, "peak_mib": 110.0},
-                 "O2 AdamW": {"ms": 2.2, "peak_mib": 100.0}}}}
+                 "O2 AdamW": {"ms": 2.2, "peak_mib": 100.0}}},
+             "resnet_bn": {"results": {"fp32": {"ms": 10.0, "peak_mib": 400.0},
+                                       "autocast": {"ms": 5.0, "peak_mib": 300.0},
+                                       "O2": {"ms": 5.5, "peak_mib": 330.0}}}}
     check, _ = _check_with(tmp_path, [("build", "passed")], bench=bench)
     check.finish()
     lines = json.loads((tmp_path / "out" / "summary.json").read_text())["headlines"]
@@ -113,6 +116,8 @@ def test_headline_ratios_come_from_the_benches_records(tmp_path, capsys):
            "time)" in lines
     assert "O2 step, O2 AdamW: 1.10x the time and 1.00x the peak of fp32 AdamW(fused); 0.55x " \
            "the time and 0.91x the peak of GradScaler + AdamW(fused)" in lines
+    assert "ResNet-18 + BatchNorm, O2: 0.82x the peak of fp32, 1.10x autocast's; 1.10x " \
+           "autocast's time" in lines
 
 
 def _is_cuda_gate(node: ast.AST) -> bool:

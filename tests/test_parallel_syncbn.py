@@ -65,6 +65,12 @@ CASES = {   # as SYNCBN_CASES in the worker: sizes, shape after N, channel_last,
     "uneven_3d_bf16": ((5, 2), (6, 5), False, torch.bfloat16, 1.0, False),
     "uneven_relu_z": ((3, 5), (4, 2, 3), False, torch.float32, 1.0, True),
     "empty_rank": ((6, 0), (3, 2), False, torch.float32, 1.0, False),
+    # Half input with fp32 weight, bias and statistics, alone and kept by O2 (issue 53).
+    "half_bf16_nchw": ((5, 3), (6, 3, 3), False, torch.bfloat16, 0.1, False),
+    "half_fp16_nhwc_relu_z": ((5, 3), (3, 3, 6), True, torch.float16, None, True),
+    "half_fp16_2d": ((7, 3), (6,), False, torch.float16, 1.0, False),
+    "kept_bf16_O2": ((5, 3), (6, 3, 3), False, torch.bfloat16, 1.0, False),
+    "kept_fp16_O2_relu_z": ((3, 5), (4, 2, 3), False, torch.float16, 1.0, True),
 }
 
 
@@ -73,7 +79,8 @@ CASES = {   # as SYNCBN_CASES in the worker: sizes, shape after N, channel_last,
 def test_statistics_and_gradients_are_the_concatenated_batchs(ranks, name):
     """Ranks with different batch sizes (one of them empty): outputs, input gradients and
     running statistics of BatchNorm over the concatenated batch; the ranks' weight and bias
-    gradients sum to its."""
+    gradients sum to its. Half inputs to the fp32 layer (O2's kept SyncBatchNorm): statistics
+    those of the half values in fp32, to fp32's tolerance."""
     sizes, rest, channel_last, dtype, momentum, relu = CASES[name]
     ref = reference(sizes, rest, channel_last, dtype, momentum=momentum, fuse_relu=relu)
     start = 0
@@ -81,6 +88,9 @@ def test_statistics_and_gradients_are_the_concatenated_batchs(ranks, name):
         mine = result[name]
         stop = start + sizes[rank]
         assert mine["out"].dtype == dtype and mine["grad_in"].dtype == dtype
+        if dtype != torch.float32:   # statistics in fp32, and no fp32 copy of the input kept
+            assert mine["running_mean"].dtype == mine["grad_w"].dtype == torch.float32
+            assert mine["fp32_saved"] == 0
         close(mine["out"], ref["out"][start:stop], dtype)
         close(mine["grad_in"], ref["grad_in"][start:stop], dtype)
         if relu:

@@ -16,8 +16,9 @@ says so):
                odd sizes, found_inf clear and set, channels_last and sliced tensors, fp16 and
                bf16 with fp32 masters), racecheck over its reduction groups (l2norm, LAMB,
                NovoGrad); beside the Python-backend tests, which do not time anything
-  benches      bench/kernels.py, bench/optimizers.py, bench/o2_step.py and bench/train.py in
-               their short modes, alone on the GPU; every ratio measured in the same run
+  benches      bench/kernels.py, bench/optimizers.py, bench/o2_step.py, bench/train.py and
+               bench/resnet_bn.py in their short modes, alone on the GPU; every ratio measured
+               in the same run
   timm         timm's ApexScaler at O1 and O2 through the apex alias (tools/gpu_timm_check.py)
 
 OUTDIR receives at most 8 files: summary.md, summary.json, log.txt, junit_native.xml,
@@ -59,6 +60,8 @@ BENCHES = [
      ["bench/o2_step.py", "--device", "cuda", "--quick"], 150),
     ("train", "bench: whole training steps, fp32 / autocast / O1-O3",
      ["bench/train.py", "--device", "cuda", "--preset", "gpu-quick"], 200),
+    ("resnet_bn", "bench: ResNet-18 with BatchNorm, fp32 / autocast / O1-O5 / O2-casts",
+     ["bench/resnet_bn.py", "--device", "cuda", "--quick"], 150),
 ]
 SANITIZER_GROUPS_RACECHECK = "l2norm,lamb,novograd"
 # The summary's order of the parts (some run side by side).

@@ -115,8 +115,22 @@ def train_headlines(record: dict) -> List[str]:
     return lines
 
 
+def resnet_bn_headlines(record: dict) -> List[str]:
+    results = record.get("results", {})
+    fp32, autocast = results.get("fp32"), results.get("autocast")
+    lines = []
+    for mode in ("O2", "O2-casts", "O5"):
+        r = results.get(mode)
+        if not r or not fp32 or not autocast:
+            continue
+        lines.append(f"ResNet-18 + BatchNorm, {mode}: {_fmt(r['peak_mib'] / fp32['peak_mib'])} "
+                     f"the peak of fp32, {_fmt(r['peak_mib'] / autocast['peak_mib'])} autocast's;"
+                     f" {_fmt(r['ms'] / autocast['ms'])} autocast's time")
+    return lines
+
+
 HEADLINES = {"kernels": kernel_headlines, "optimizers": optimizer_headlines,
-             "o2_step": o2_headlines, "train": train_headlines}
+             "o2_step": o2_headlines, "train": train_headlines, "resnet_bn": resnet_bn_headlines}
 
 
 def headlines(bench: Dict[str, dict]) -> List[str]:

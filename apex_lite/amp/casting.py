@@ -10,7 +10,8 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import functools
-from typing import Callable, List, Optional, Sequence, Set, Tuple
+import itertools
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -97,11 +98,102 @@ def check_keep_rules(models: Sequence[torch.nn.Module], keep_fp32_modules: Seque
                             f"got {rule!r}")
 
 
+# ---- modules kept fp32 inside a half model ------------------------------------------------
+#
+# Note [kept norms run on the half activations]: apex kept BatchNorm's parameters fp32 and ran it
+# on the half activations (cuDNN's batch norm takes that mix); torch's kernels do the same today.
+# Casting a kept BatchNorm's input to fp32 instead makes it save an fp32 copy of its input for
+# backward where the half activation would do (twice the bytes), and pays a cast each way around
+# every BatchNorm in both passes: at O2 a CNN took more memory than fp32 training (issue 53). So
+# a kept module whose forward is one of those below, holding fp32 parameters or statistics, takes
+# a half input as it is where the table says, there torch's kernels accumulate in fp32 and round
+# once to half: the values of the fp32 round trip, within a rounding (tests/test_amp_kept_norms.py
+# measures every row on the CPU). Everywhere else (another device or layout, an fp32 input, a
+# module with no fp32 tensor, for which the kernel would run in pure half, any other module) the
+# input is cast to fp32 and the output back to half, as before.
+#   BatchNorm1d/2d/3d, torch's SyncBatchNorm: CPU, contiguous input only (its channels-last and
+#     strided backward sums a bf16 bias gradient in bf16: 7e-2 off where the round trip is 1e-6);
+#     CUDA, any layout (cuDNN for fp16; torch's CUDA kernel, which takes fp32 parameters for fp16
+#     and bf16 input and accumulates in fp32, elsewhere; MIOpen for fp16 on ROCm).
+#   InstanceNorm1d/2d/3d (BatchNorm over a contiguous copy): CPU and CUDA, any layout.
+#   GroupNorm: CPU, any layout; torch's CUDA group norm reads its weight in the input's dtype.
+#   LayerNorm: nowhere. CUDA's kernel takes no mix, and the CPU's rounds its weight and bias
+#     gradients through half (bf16: 4e-2 off where the round trip is 1e-6).
+ANY_LAYOUT, CONTIGUOUS = "any layout", "contiguous"
+_BATCH_NORM = {"cpu": CONTIGUOUS, "cuda": ANY_LAYOUT}
+_HALF_INPUT_FORWARDS: Dict[Callable, Dict[str, str]] = {
+    torch.nn.modules.batchnorm._BatchNorm.forward: _BATCH_NORM,
+    torch.nn.SyncBatchNorm.forward: _BATCH_NORM,
+    torch.nn.modules.instancenorm._InstanceNorm.forward: {"cpu": ANY_LAYOUT, "cuda": ANY_LAYOUT},
+    torch.nn.GroupNorm.forward: {"cpu": ANY_LAYOUT},
+}
+
+
+def register_half_input_forward(forward: Callable, layouts: Dict[str, str]) -> None:
+    """Declare that a norm layer's ``forward`` (the function of its class) runs on a half input
+    with fp32 parameters and statistics as exactly as on that input's fp32 upcast, per device
+    type: on inputs of ``ANY_LAYOUT`` or only ``CONTIGUOUS`` ones. amp then hands such a layer
+    kept fp32 O2's half activations as they are (apex_lite's SyncBatchNorm registers itself)."""
+    _HALF_INPUT_FORWARDS[forward] = dict(layouts)
+
+
+def half_input_layouts(module: torch.nn.Module) -> Dict[str, str]:
+    """Where ``module``, kept fp32, runs on half activations as they are: device type -> the
+    layouts it takes there (Note [kept norms run on the half activations]); empty where its
+    input is always cast to fp32."""
+    layouts = _HALF_INPUT_FORWARDS.get(getattr(type(module), "forward", None), {})
+    holds_fp32 = any(t.dtype == torch.float32 for t in itertools.chain(
+        module.parameters(recurse=False), module.buffers(recurse=False)))
+    return dict(layouts) if holds_fp32 else {}
+
+
+def _takes_as_is(args, kwargs, dtype: torch.dtype, layouts: Dict[str, str]) -> bool:
+    found = []
+
+    def check(t: torch.Tensor) -> torch.Tensor:
+        layout = layouts.get(t.device.type)
+        found.append(t.dtype == dtype and layout is not None
+                     and (layout == ANY_LAYOUT or t.is_contiguous()))
+        return t
+
+    apply_to_floats((args, kwargs), check)
+    return bool(found) and all(found)
+
+
+class KeptForward:
+    """The forward of a module kept fp32 inside a model cast to ``half_dtype``: on half inputs
+    where ``half_input_layouts`` allows (device type -> ``ANY_LAYOUT`` or ``CONTIGUOUS``) it runs
+    as it is (fp32 parameters, half activations); otherwise its floating inputs are cast to fp32.
+    Floating outputs leave in ``half_dtype`` for the layers after it. A module-level class (not a
+    closure) so that a wrapped model still pickles."""
+
+    def __init__(self, forward: Callable, half_dtype: torch.dtype,
+                 half_input_layouts: Optional[Dict[str, str]] = None):
+        self.forward = forward
+        self.half_dtype = half_dtype
+        self.half_input_layouts = dict(half_input_layouts or {})
+        functools.update_wrapper(self, forward)
+
+    def __call__(self, *args, **kwargs):
+        if not (self.half_input_layouts and _takes_as_is(args, kwargs, self.half_dtype,
+                                                         self.half_input_layouts)):
+            cast = _caster(torch.float32)
+            args = apply_to_floats(args, cast)
+            kwargs = apply_to_floats(kwargs, cast)
+        return apply_to_floats(self.forward(*args, **kwargs), _caster(self.half_dtype))
+
+
+def wrap_kept(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Replace the forward of ``module``, kept fp32 inside a model cast to ``dtype``, with a
+    ``KeptForward`` around it (on the instance)."""
+    module.forward = KeptForward(module.forward, dtype, half_input_layouts(module))
+
+
 def cast_model(model: torch.nn.Module, dtype: torch.dtype,
                kept: Sequence[Tuple[str, torch.nn.Module]]) -> None:
     """Cast the floating parameters and buffers of ``model`` to ``dtype`` in place (Parameter
     objects keep their identity), except inside the ``kept`` modules, whose forward is wrapped
-    to run in fp32 and hand ``dtype`` back to the half layers after them."""
+    (``wrap_kept``) to hand ``dtype`` back to the half layers after them."""
     skip: Set[int] = set()
     for _, module in kept:
         skip.update(id(m) for m in module.modules())
@@ -113,7 +205,7 @@ def cast_model(model: torch.nn.Module, dtype: torch.dtype,
         if id(module) not in skip:
             module._apply(to_half, recurse=False)
     for _, module in kept:
-        wrap_forward(module, input_dtype=torch.float32, output_dtype=dtype)
+        wrap_kept(module, dtype)
 
 
 # ---- apex's function decorators -------------------------------------------------------------

@@ -37,9 +37,9 @@ not the level's name, so O4 runs as O1 and O5 as O2):
   ``reduce_dtype`` equal to the run's half dtype is accepted (where it computes in half).
 - Kept fp32 modules (``keep_batchnorm_fp32``, ``keep_fp32_modules``): FSDP2 computes every
   parameter of a unit in one dtype, so each kept module must be a unit of its own that computes
-  in fp32 (``fully_shard(model.bn)``, no ``param_dtype``). amp casts such a module's input to fp32
-  and its output back to half, as without FSDP. A kept module inside a half unit is refused, and
-  the message names the calls.
+  in fp32 (``fully_shard(model.bn)``, no ``param_dtype``). amp hands it the half activations
+  or casts them to fp32, and its output back to half, as without FSDP (casting.py's ``wrap_kept``).
+  A kept module inside a half unit is refused, and the message names the calls.
 - Parameters outside every unit (a model partly sharded, with no ``fully_shard`` at its root)
   are plain tensors and take amp's usual path (O2, O5: cast to half, with fp32 master copies).
   FSDP2 does not synchronise their gradients; that stays the user's business, as without amp.
@@ -337,7 +337,7 @@ class Sharding:
         """Cast ``model``'s floating buffers and unsharded parameters to ``dtype`` outside its
         ``kept`` modules (Parameter objects keep their identity; under O2 masters.py has taken the
         unsharded parameters' masters first), and with ``cast_shards`` (O3) the sharded
-        parameters too; kept modules run in fp32 and hand ``dtype`` back."""
+        parameters too; kept modules keep fp32 parameters and hand ``dtype`` back."""
         keep = {id(t) for _, module in kept
                 for t in itertools.chain(module.parameters(), module.buffers())}
 
@@ -362,7 +362,7 @@ class Sharding:
                     if cast is not param:
                         param.data = cast   # the Parameter object stays
         for _, module in kept:
-            casting.wrap_forward(module, input_dtype=torch.float32, output_dtype=dtype)
+            casting.wrap_kept(module, dtype)
 
     # ---- amp.report --------------------------------------------------------------------------
     def largest_unit(self) -> Tuple[str, int, List[str]]:

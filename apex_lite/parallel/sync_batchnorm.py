@@ -4,6 +4,9 @@ to put it in a model. The arithmetic is in sync_batchnorm_kernel.py.
 
 It is a ``torch.nn.modules.batchnorm._BatchNorm``, so amp keeps it fp32 at O2 as it keeps
 BatchNorm (``keep_batchnorm_fp32``), and torch's code that recognises BatchNorm recognises it.
+Its arithmetic upcasts a half input itself, so amp hands it O2's half activations as they are
+(``register_half_input_forward`` below): its parameters and statistics stay fp32, it saves the
+half input for backward, and its output is half.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import torch.distributed as dist
 from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from ..amp.casting import ANY_LAYOUT, CONTIGUOUS, register_half_input_forward
 from .sync_batchnorm_kernel import (SyncBatchnormFunction, batch_stats, stat_dtype,
                                     synced_group_size, update_running_stats)
 
@@ -102,7 +106,12 @@ class SyncBatchNorm(_BatchNorm):
             if group_size == 1 and input.numel() == input.shape[channel_dim]:
                 raise ValueError(f"Expected more than 1 value per channel when training, got "
                                  f"input size {input.size()}")
-            mean, var, count = batch_stats(input, channel_dim, self.process_group, group_size)
+            # No graph through the statistics: SyncBatchnormFunction's backward is the gradient
+            # through them, and a graph would keep var_mean's fp32 copy of a half input alive
+            # until backward.
+            with torch.no_grad():
+                mean, var, count = batch_stats(input, channel_dim, self.process_group,
+                                               group_size)
             if self.training and self.track_running_stats:
                 self.num_batches_tracked.add_(1)
                 factor = (1.0 / float(self.num_batches_tracked) if self.momentum is None
@@ -113,10 +122,16 @@ class SyncBatchNorm(_BatchNorm):
             dtype = stat_dtype(input.dtype)
             mean, var = self.running_mean.to(dtype), self.running_var.to(dtype)
             count = None
-        invstd = torch.rsqrt(var + self.eps)
+        with torch.no_grad():
+            invstd = torch.rsqrt(var + self.eps)
         return SyncBatchnormFunction.apply(input, z, self.weight, self.bias, mean, invstd, count,
                                            self.process_group, channel_dim, self.fuse_relu,
                                            use_batch, group_size)
+
+
+# Its statistics and normalisation are fp32 for a half input on any device; eval's shortcut is
+# torch's batch_norm, whose mix is exact on the CPU for contiguous inputs only (casting.py).
+register_half_input_forward(SyncBatchNorm.forward, {"cpu": CONTIGUOUS, "cuda": ANY_LAYOUT})
 
 
 def convert_syncbn_model(module, process_group=None, channel_last=False):

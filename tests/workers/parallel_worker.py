@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401
 
 from apex_lite import amp
+from apex_lite.amp import casting
 from apex_lite.parallel import (DistributedDataParallel as DDP, Reducer, SyncBatchNorm,
                                 convert_syncbn_model, create_syncbn_process_group,
                                 flat_dist_call)
@@ -174,9 +175,11 @@ def full_batch(shape, seed, dtype):
 
 
 def syncbn_case(rank, sizes, shape_rest, channel_last, dtype, momentum=1.0, fuse_relu=False,
-                process_group=None, with_ddp=False):
+                process_group=None, with_ddp=False, kept=False):
     """This rank's slice (sizes[rank] samples) of a full batch every rank generates; returns
-    what the SyncBatchNorm produced on it."""
+    what the SyncBatchNorm produced on it. With ``kept``, the layer is wrapped as O2 keeps it
+    fp32 in a model cast to ``dtype`` (issue 53: it takes the half input as it is), and the
+    result counts the fp32 tensors of the input's size it saved for backward."""
     total = sum(sizes)
     start = sum(sizes[:rank])
     shape = (total, *shape_rest)
@@ -191,14 +194,20 @@ def syncbn_case(rank, sizes, shape_rest, channel_last, dtype, momentum=1.0, fuse
         sbn.bias.copy_(full_batch((channels,), 22, torch.float32))
     if dtype != torch.float32 and with_ddp:
         sbn.to(dtype)   # apex's two_gpu_unit_test --fp16: the layer itself in half
+    if kept:
+        casting.wrap_kept(sbn, dtype)
     layer = DDP(sbn) if with_ddp else sbn
     mine = inp[start:start + sizes[rank]].clone().requires_grad_()
     my_z = None if z is None else z[start:start + sizes[rank]].clone().requires_grad_()
-    output = layer(mine) if z is None else layer(mine, my_z)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        output = layer(mine) if z is None else layer(mine, my_z)
     output.backward(grad[start:start + sizes[rank]])
     result = {"out": output.detach(), "grad_in": mine.grad, "running_mean": sbn.running_mean,
               "running_var": sbn.running_var, "grad_w": sbn.weight.grad,
-              "grad_b": sbn.bias.grad, "grad_z": None if my_z is None else my_z.grad}
+              "grad_b": sbn.bias.grad, "grad_z": None if my_z is None else my_z.grad,
+              "fp32_saved": sum(t.dtype == torch.float32 and t.numel() == mine.numel() > 0
+                                for t in saved)}
     if with_ddp:
         torch.optim.SGD(sbn.parameters(), lr=1.0).step()
         result["weight_after"] = sbn.weight.detach().clone()
@@ -217,6 +226,14 @@ SYNCBN_CASES = {
     "uneven_3d_bf16": ((5, 2), (6, 5), False, torch.bfloat16, {}),
     "uneven_relu_z": ((3, 5), (4, 2, 3), False, torch.float32, {"fuse_relu": True}),
     "empty_rank": ((6, 0), (3, 2), False, torch.float32, {}),
+    # Half input, fp32 weight, bias and statistics: the layer as O2 keeps it (issue 53).
+    "half_bf16_nchw": ((5, 3), (6, 3, 3), False, torch.bfloat16, {"momentum": 0.1}),
+    "half_fp16_nhwc_relu_z": ((5, 3), (3, 3, 6), True, torch.float16,
+                              {"momentum": None, "fuse_relu": True}),
+    "half_fp16_2d": ((7, 3), (6,), False, torch.float16, {}),
+    "kept_bf16_O2": ((5, 3), (6, 3, 3), False, torch.bfloat16, {"kept": True}),
+    "kept_fp16_O2_relu_z": ((3, 5), (4, 2, 3), False, torch.float16,
+                            {"kept": True, "fuse_relu": True}),
 }
 
 
