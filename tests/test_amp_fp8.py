@@ -367,10 +367,10 @@ def test_an_infinite_input_gives_nan_not_a_clipped_value():
 
 # ---- training: the O2 steps, accumulation ------------------------------------------------------
 
-def _train(fp8, fused_step, steps=48):
+def _train(fp8, fused_step, steps=48, device="cpu"):
     handle = amp.AmpHandle()
     torch.manual_seed(0)
-    model = Mlp()
+    model = Mlp().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, opt = handle.initialize(model, opt, opt_level="O2", fp8=fp8, verbosity=0,
                                    fused_step=fused_step)
@@ -379,7 +379,7 @@ def _train(fp8, fused_step, steps=48):
     losses = []
     for _ in range(steps):
         x = torch.randn(32, 32, generator=g)
-        loss = F.cross_entropy(model(x).float(), (x @ w).argmax(1))
+        loss = F.cross_entropy(model(x.to(device)).float(), (x @ w).argmax(1).to(device))
         with handle.scale_loss(loss, opt) as scaled:
             scaled.backward()
         opt.step()
@@ -622,3 +622,50 @@ def test_O5_runs_fp8_with_its_static_scale(mm_calls):
     losses = [train_step(model, opt, step % 2) for step in range(4)]
     assert losses[-1] < losses[0] and len(mm_calls) == 4 * 5
     assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 1.0
+
+
+# ---- the compiled casts (the GPU's path; the CPU's inductor checks the same code) -------------
+
+def _fp8_gpu() -> bool:
+    return torch.cuda.is_available() and not torch.version.hip \
+        and torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not _fp8_gpu(), reason="needs a CUDA GPU with fp8 matmuls (sm_89 or newer)"))])
+def test_compiled_casts_equal_the_eager_casts(device):
+    compiled = fp8_cast._Compiled()
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(40, 48, generator=g) * 3).bfloat16().to(device)
+    x[:, :3] *= 1e-11                        # flushed in either format
+    history = (torch.tensor(2.0 ** 4, device=device), torch.tensor(True, device=device))
+    for fp8_dtype in (E4M3, E5M2):
+        for delayed in (False, True):
+            results = []
+            for fn in (fp8_cast.cast, compiled):
+                counts = torch.zeros(2, dtype=torch.int64, device=device)
+                pending = torch.zeros((), device=device)
+                args = history + (pending,) if delayed else ()
+                t8, inverse = fn(x, fp8_dtype, 0, True, counts, *args)
+                results.append((t8.view(torch.uint8), inverse, counts, pending))
+            assert not compiled.failed
+            for a, b in zip(*results):
+                assert torch.equal(a, b), (fp8_dtype, delayed)
+            assert results[0][2].sum() > 0       # something was flushed (and clipped)
+
+
+def test_a_cast_compilation_that_fails_is_said_once_and_runs_eagerly(monkeypatch, caplog):
+    def broken(fn, **kwargs):
+        def call(*args):
+            raise RuntimeError("no C++ compiler here")
+        return call
+    monkeypatch.setattr(torch, "compile", broken)
+    compiled = fp8_cast._Compiled()
+    x = torch.randn(16, 16).bfloat16()
+    with caplog.at_level(logging.WARNING, logger="apex_lite.amp"):
+        first = compiled(x, E4M3, 0, False, None)
+        second = compiled(x, E4M3, 0, False, None)
+    assert compiled.failed and caplog.text.count("compiling the casts to fp8 failed") == 1
+    expected = fp8_cast.cast(x, E4M3, 0, False, None)
+    for got in (first, second):
+        assert torch.equal(got[0].view(torch.uint8), expected[0].view(torch.uint8))
