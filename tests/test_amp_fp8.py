@@ -75,20 +75,27 @@ class _ScaledMmCalls(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.calls = []
+        self.shapes = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._scaled_mm.default:
             self.calls.append(args[0].dtype)
+            self.shapes.append((tuple(args[0].shape), tuple(args[1].shape)))
         return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture
-def mm_calls():
-    """The scaled matmuls run inside the test, as a list of their first operand's dtype."""
+def mm_mode():
     if not fp8_mm.runs_natively(torch.device("cpu")):
         pytest.skip("this torch emulates _scaled_mm on the CPU (before 2.7): nothing to count")
     with _ScaledMmCalls() as mode:
-        yield mode.calls
+        yield mode
+
+
+@pytest.fixture
+def mm_calls(mm_mode):
+    """The scaled matmuls run inside the test, as a list of their first operand's dtype."""
+    return mm_mode.calls
 
 
 # ---- an independent reference ---------------------------------------------------------------
@@ -166,7 +173,8 @@ def test_levels_without_a_half_model_refuse_fp8_and_change_nothing(level, kwargs
 
 # ---- which layers -----------------------------------------------------------------------------
 
-def test_eligible_layers_run_all_three_matmuls_in_fp8(mm_calls):
+def test_eligible_layers_run_all_three_matmuls_in_fp8(mm_mode):
+    mm_calls = mm_mode.calls
     model, opt = setup()
     assert "forward" not in vars(model.head)
     x, y = batch(0)
@@ -179,6 +187,11 @@ def test_eligible_layers_run_all_three_matmuls_in_fp8(mm_calls):
     mm_calls.clear()
     model(x.requires_grad_()).float().sum().backward()
     assert len(mm_calls) == 2 + 4
+    # cuBLASLt's rule on every device: each operand's dimensions are multiples of 16 (the 24
+    # rows of the batch, grad_weight's contraction, padded to 32).
+    assert ((32, 32), (32, 64)) in mm_mode.shapes           # fc2's grad_weight, 24 -> 32
+    for a, b in mm_mode.shapes:
+        assert a[1] % 16 == 0 and b[0] % 16 == 0 and b[1] % 16 == 0, (a, b)
 
 
 class OwnForward(torch.nn.Linear):
@@ -397,7 +410,7 @@ def test_training_stays_within_a_few_percent_of_O2(recipe, fused_step, mm_calls)
     assert losses[-1] < 0.7 * losses[0]
     late, late_baseline = sum(losses[-8:]) / 8, sum(baseline[-8:]) / 8
     assert abs(late - late_baseline) < 0.05 * late_baseline
-    assert handle.report().step_paths[0].endswith("fused step") == fused_step
+    assert (": fused step" in handle.report().step_paths[0]) == fused_step
 
 
 def test_gradient_accumulation_folds_once_per_step_the_largest_amax():
@@ -418,6 +431,25 @@ def test_gradient_accumulation_folds_once_per_step_the_largest_amax():
     assert not amp.loss_scalers()[0].last_step_skipped
 
 
+def test_two_optimizers_stepping_one_model_fold_once_per_step():
+    model = Mlp()
+    first = torch.optim.SGD(model.fc1.parameters(), lr=0.1)
+    second = torch.optim.AdamW(list(model.fc2.parameters()) + list(model.head.parameters()))
+    model, (first, second) = amp.initialize(model, [first, second], opt_level="O2",
+                                            verbosity=0, fp8=small(recipe="delayed"))
+    for step in range(3):
+        x, y = batch(step)
+        loss = F.cross_entropy(model(x).float(), y)
+        with amp.scale_loss(loss, [first, second]) as scaled:
+            scaled.backward()
+        first.step()
+        second.step()
+        first.zero_grad()
+        second.zero_grad()
+    group = fp8_run().groups[0]
+    assert int(group.steps) == 3 and group.history[0, 0, :3].gt(0).all()
+
+
 # ---- the checkpoint state -----------------------------------------------------------------------
 
 def _saved(state):
@@ -431,6 +463,7 @@ def test_the_fp8_state_is_plain_tensors_and_loads_with_weights_only():
     model, opt = setup(small(recipe="delayed", amax_history=4))
     for step in range(3):
         train_step(model, opt, step)
+    model(batch(7)[0])                          # a forward after the step: amaxes not folded
     state = _saved(amp.state_dict())
     fp8 = state["apex_lite"]["fp8"]
     assert (fp8["version"], fp8["recipe"], fp8["amax_history"], fp8["margin"]) == \
@@ -447,6 +480,7 @@ def test_the_fp8_state_is_plain_tensors_and_loads_with_weights_only():
                       verbosity=0, fp8=small(recipe="delayed", amax_history=4))
     handle.load_state_dict(state)
     loaded = handle._run.fp8.groups[0]
+    assert group.pending.gt(0).any()
     for key in ("history", "scale", "has_history", "pending", "counts", "steps"):
         assert torch.equal(getattr(loaded, key), getattr(group, key)), key
     # the model's own checkpoint holds no fp8 state: amp's state_dict() carries it

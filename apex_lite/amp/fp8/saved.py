@@ -79,6 +79,9 @@ class Fp8Load:
             for group in {id(g): g for g, *_ in self.loads}.values():
                 if group.delayed:
                     group.refresh_scales()
+                    # amaxes saved before their fold are folded at the next step (a host
+                    # read, once per load)
+                    group.dirty = bool(group.pending.any())
         run = self.run
         if self.words and run.verbosity >= 1:
             from ..overflow import is_logging_rank
