@@ -8,7 +8,10 @@ matmuls.
                  grad_b = g.sum(0)                     (from the unrounded gradient)
 
 The layer keeps its class, parameters, hooks and ``state_dict`` keys; what is saved for the
-backward is the fp8 input and weight (a byte per element, half what a half Linear keeps).
+backward is the fp8 input (a byte per element, half what a half Linear keeps) and the weight
+itself, cast again in the backward (with the same scale: nothing folds between the two), so
+that no fp8 copy of the weights outlives the forward (under FSDP2 that would be a byte per
+parameter of the whole model).
 ``Fp8Forward`` is a module-level class holding its layer and state, so the model pickles and
 deep-copies with its fp8 forward (the copy gets its own state).
 
@@ -31,9 +34,10 @@ from .state import LayerState
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _cast(t: torch.Tensor, role: int, state: tuple, opts: tuple):
+def _cast(t: torch.Tensor, role: int, state: tuple, opts: tuple, count: bool = True):
     counts, scale, has_history, pending = state
-    margin, count, _, _, compiled = opts
+    margin, counting, _, _, compiled = opts
+    count = count and counting
     fn = compiled_cast if compiled else cast
     role_counts = counts[role] if count else None
     if scale is None:
@@ -67,7 +71,9 @@ class _Fp8Linear(torch.autograd.Function):
         w8, inv_w = _cast(weight.contiguous(), WEIGHT, state, opts)
         out = scaled_mm(x8, w8.t(), inv_x, inv_w, out_dtype=input.dtype, bias=bias,
                         fast_accum=fast_accum, native=native)
-        ctx.save_for_backward(x8, w8, inv_x, inv_w)
+        # The weight, not its fp8 copy: it is a parameter (no bytes of its own; under FSDP2 it
+        # is gathered again for the backward), and its cast is repeated there, identically.
+        ctx.save_for_backward(x8, inv_x, weight)
         ctx.input_shape = input.shape
         # The state is mutated by later calls: kept as attributes (save_for_backward would
         # refuse them as modified in place), read only by this backward.
@@ -82,10 +88,11 @@ class _Fp8Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        x8, w8, inv_x, inv_w = ctx.saved_tensors
+        x8, inv_x, weight = ctx.saved_tensors
         native = ctx.opts[3]
         grad = grad_output.reshape(-1, grad_output.shape[-1]).contiguous()
         g8, inv_g = _cast(grad, GRAD, ctx.state, ctx.opts)
+        w8, inv_w = _cast(weight.contiguous(), WEIGHT, ctx.state, ctx.opts, count=False)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             grad_x = scaled_mm(g8, _column_major(w8), inv_g, inv_w, out_dtype=grad.dtype,
