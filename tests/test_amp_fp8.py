@@ -337,6 +337,16 @@ def test_delayed_scaling_scales_by_the_history_and_counts_saturation():
     assert amp.report().fp8["fc1"]["input"]["saturated"] == 0
 
 
+def test_without_an_optimizer_each_forward_is_a_step():
+    model = amp.initialize(Mlp(), opt_level="O2", fp8=small(recipe="delayed"), verbosity=0)
+    group = fp8_run().groups[0]
+    for step in range(3):
+        model(batch(step)[0])
+    assert int(group.steps) == 2 and group.has_history[:, :2].all()   # the third is pending
+    model(batch(0)[0] * 1000.0)
+    assert amp.report().fp8["fc1"]["input"]["saturated"] > 0
+
+
 def test_counts_can_be_turned_off():
     model, opt = setup(small(counts=False))
     x = batch(0)[0]

@@ -48,7 +48,8 @@ class FP8:
         recipe: "current" (default): each tensor's scale comes from its own amax, at every call.
             "delayed": as Transformer Engine's DelayedScaling, from the largest amax of the
             last ``amax_history`` steps (a step: the forwards and backwards between two
-            ``optimizer.step()`` calls, whose amaxes are folded in at the second); a tensor
+            ``optimizer.step()`` calls, whose amaxes are folded in at the second; a forward,
+            for a model initialised without an optimizer); a tensor
             above that range is clipped at the format's largest value (the saturation counts
             say so). A layer with no history yet (the first step) uses its current amax. Each
             step's amaxes are all-reduced (max) over the run's process group, so every rank

@@ -21,7 +21,7 @@ from .cast import ROLES
 from .config import FP8, MULTIPLE
 from .linear import Fp8Forward
 from .scaled_mm import runs_natively
-from .state import Fp8Group, Fp8StepFold
+from .state import Fp8ForwardFold, Fp8Group, Fp8StepFold
 
 logger = logging.getLogger("apex_lite.amp")
 
@@ -131,7 +131,8 @@ def _listing(names: List[str], limit: int = 12) -> str:
 def install(run, config: FP8) -> Fp8Run:
     """Swap the forwards of ``run``'s eligible Linears for ``Fp8Forward`` (after the models
     were cast and the optimizers taken over), hang the delayed recipe's fold on each optimizer
-    (``Fp8StepFold``), and return the ``Fp8Run``."""
+    (``Fp8StepFold``; without optimizers on each model, ``Fp8ForwardFold``), and return the
+    ``Fp8Run``."""
     chosen, left = plan(run.models, run.kept_fp32, config)
     groups: List[Optional[Fp8Group]] = []
     layers: List[List[Tuple[str, Fp8Forward]]] = []
@@ -158,10 +159,14 @@ def install(run, config: FP8) -> Fp8Run:
         layers.append(forwards)
     fp8_run = Fp8Run(config, groups, layers, left, len(run.models))
     delayed = [group for group in groups if group is not None and group.delayed]
-    if delayed:
+    if delayed and run.optimizers:
         fold = Fp8StepFold(delayed, run)
         for amp_opt in run.optimizers:
             amp_opt.optimizer.register_step_pre_hook(fold)
+    elif delayed:   # no optimizer, no step: a step is a forward
+        for model, group in zip(run.models, groups):
+            if group is not None:
+                model.register_forward_pre_hook(Fp8ForwardFold(group))
     if run.verbosity >= 1:
         _log_setup(fp8_run, run)
     return fp8_run

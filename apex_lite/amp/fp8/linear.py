@@ -92,9 +92,9 @@ class _Fp8Linear(torch.autograd.Function):
         native = ctx.opts[3]
         grad = grad_output.reshape(-1, grad_output.shape[-1]).contiguous()
         g8, inv_g = _cast(grad, GRAD, ctx.state, ctx.opts)
-        w8, inv_w = _cast(weight.contiguous(), WEIGHT, ctx.state, ctx.opts, count=False)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
+            w8, inv_w = _cast(weight.contiguous(), WEIGHT, ctx.state, ctx.opts, count=False)
             grad_x = scaled_mm(g8, _column_major(w8), inv_g, inv_w, out_dtype=grad.dtype,
                                native=native).reshape(ctx.input_shape)
         if ctx.needs_input_grad[1]:

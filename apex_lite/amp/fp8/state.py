@@ -118,3 +118,16 @@ class Fp8StepFold:
                   and torch.distributed.get_world_size(process_group) > 1)
         for group in dirty:
             group.fold(process_group, reduce)
+
+
+class Fp8ForwardFold:
+    """A forward pre-hook on a model initialised without an optimizer (no step to fold at):
+    each forward after one through its fp8 layers folds that forward's amaxes first, on this
+    rank alone (``Fp8Group.fold``). A module-level class, so the model still pickles."""
+
+    def __init__(self, group: Fp8Group):
+        self.group = group
+
+    def __call__(self, module, args) -> None:
+        if self.group.dirty:
+            self.group.fold()
