@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+import torch._dynamo  # noqa: F401  (before any test wraps torch._scaled_mm: see below)
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -192,6 +193,22 @@ def test_eligible_layers_run_all_three_matmuls_in_fp8(mm_mode):
     assert ((32, 32), (32, 64)) in mm_mode.shapes           # fc2's grad_weight, 24 -> 32
     for a, b in mm_mode.shapes:
         assert a[1] % 16 == 0 and b[0] % 16 == 0 and b[1] % 16 == 0, (a, b)
+
+
+def test_a_wrapper_around_torch_scaled_mm_sees_every_fp8_matmul(monkeypatch):
+    """amp calls torch._scaled_mm through the attribute, and nothing else calls it (whether
+    the CPU has a kernel is read from the dispatcher). torch._dynamo, imported on first use,
+    keeps the function it finds there as the op: it is imported at the top of this file."""
+    if not fp8_mm.runs_natively(torch.device("cpu")):
+        pytest.skip("this torch emulates _scaled_mm on the CPU (before 2.7)")
+    calls = []
+    original = torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm",
+                        lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
+    model, opt = setup()
+    assert calls == []
+    train_step(model, opt, 0)
+    assert len(calls) == 2 + 3
 
 
 class OwnForward(torch.nn.Linear):

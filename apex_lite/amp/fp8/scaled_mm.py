@@ -14,12 +14,11 @@ It is called as ``torch._scaled_mm`` at every call (not bound at import), so cod
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Optional
 
 import torch
 
 HALF = (torch.float16, torch.bfloat16)
-_RUNS_NATIVELY: Dict[str, bool] = {}
 
 
 def unsupported(device: torch.device) -> Optional[str]:
@@ -40,22 +39,13 @@ def unsupported(device: torch.device) -> Optional[str]:
 
 
 def runs_natively(device: torch.device) -> bool:
-    """Whether ``torch._scaled_mm`` runs on ``device``'s type in this torch (probed once, on
-    a 16 x 16 matrix; the CPU gained it in torch 2.7). Called at ``initialize``, never while
-    a graph is traced."""
-    kind = device.type
-    if kind not in _RUNS_NATIVELY:
-        if kind == "cuda":
-            _RUNS_NATIVELY[kind] = True
-        else:
-            a = torch.zeros(16, 16, device=device, dtype=torch.float8_e4m3fn)
-            one = torch.ones((), device=device)
-            try:
-                torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-                _RUNS_NATIVELY[kind] = True
-            except (RuntimeError, NotImplementedError):
-                _RUNS_NATIVELY[kind] = False
-    return _RUNS_NATIVELY[kind]
+    """Whether this torch has a ``_scaled_mm`` kernel for ``device``'s type (CUDA; the CPU
+    gained one in torch 2.7). Read from the dispatcher's registry: nothing is called, so a
+    wrapper around ``torch._scaled_mm`` counts only amp's matmuls."""
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and \
+        torch._C._dispatch_has_kernel_for_dispatch_key("aten::_scaled_mm", "CPU")
 
 
 def emulated(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
