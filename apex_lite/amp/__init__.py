@@ -233,7 +233,8 @@ def state_dict(destination=None) -> dict:
     Returns:
         apex's ``{"loss_scaler<i>": {"loss_scale": ..., "unskipped": ...}}``, plus, under the
         versioned key ``"apex_lite"``, the scaler counters and O2's master weights that a
-        bitwise resume needs; empty before ``initialize`` or when amp is disabled.
+        bitwise resume needs (with ``fp8=``, also the fp8 scaling state, under ``"fp8"``, as
+        plain tensors and numbers); empty before ``initialize`` or when amp is disabled.
     """
     return _default_handle.state_dict(destination)
 
@@ -323,8 +324,10 @@ def locate_nonfinite(model=None):
 def report(models=None, optimizers=None) -> AmpReport:
     """What amp set up: per dtype the count and bytes of parameters, gradients, master weights
     and optimizer state, the bytes held per model parameter, each optimizer's step path and
-    why, the modules kept fp32, the kernel backend per device, and Linear/Conv dimensions that
-    are not multiples of 8. Logs nothing (``print(amp.report())``).
+    why, the modules kept fp32, the kernel backend per device, Linear/Conv dimensions that
+    are not multiples of 8, and with ``fp8=`` the layers in fp8 (those left in half, and why)
+    and what their casts clipped or flushed (``.fp8``). Logs nothing
+    (``print(amp.report())``).
 
     Args:
         models: the models to count (default: the current run's).
