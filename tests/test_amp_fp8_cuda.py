@@ -74,3 +74,27 @@ def test_cuda_counts_and_state_stay_on_the_device():
 def test_cuda_gpu_without_fp8_matmuls_is_refused():
     with pytest.raises(ValueError, match="compute capability 8.9 or newer"):
         amp.initialize(Mlp().cuda(), opt_level="O2", fp8=True, verbosity=0)
+
+
+@requires_fp8_cuda
+@pytest.mark.parametrize("recipe", ["current", "delayed"])
+def test_cuda_fp8_forward_backward_and_fold_never_sync(recipe):
+    """Amaxes, scales, counts and the fold stay on the device (torch's sync debug mode
+    raises on any host synchronisation)."""
+    model = Mlp().cuda()
+    opt = torch.optim.AdamW(model.parameters())
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0,
+                                fp8=small(recipe=recipe))
+    x, y = batch(0)
+    x, y = x.cuda(), y.cuda()
+    F.cross_entropy(model(x).float(), y).backward()    # compiles the casts (may sync)
+    model.zero_grad()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        F.cross_entropy(model(x).float(), y).backward()
+        group = amp.default_handle()._run.fp8.groups[0]
+        if group.delayed:
+            group.fold()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

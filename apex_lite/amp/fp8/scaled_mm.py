@@ -7,7 +7,9 @@ accumulation; its signature is the same from torch 2.4 (the floor is 2.5) to 2.1
 ``torch.nn.functional.scaled_mm`` joined it. On CUDA it needs sm_89 or newer and the 16-multiple
 dimensions ``config.MULTIPLE`` names. On the CPU torch 2.7 added it (an emulation: fp32 matmul
 of the fp8 values; oneDNN on CPUs with AMX); before 2.7 ``emulated`` computes the same here.
-A CPU run is a numerics reference, never a speed path.
+A CPU run is a numerics reference, never a speed path. The CPU's takes what CUDA's refuses
+(any dimensions, E5M2 x E5M2, a row-major second operand), so amp keeps CUDA's rules itself on
+every device: eligible layers, padded contractions, operand layouts, E4M3 in every product.
 
 It is called as ``torch._scaled_mm`` at every call (not bound at import), so code that wraps it
 (a counter in a test, a profiler) sees every fp8 matmul.
