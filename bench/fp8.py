@@ -187,8 +187,8 @@ class Language:
         g = torch.Generator(device=self.device).manual_seed(1000 + step)
         tokens = torch.empty(batch, length + 1, dtype=torch.long, device=self.device)
         tokens[:, 0] = torch.randint(0, self.vocab, (batch,), generator=g, device=self.device)
-        choice = torch.multinomial(self.probs.expand(batch * length, 4), 1, generator=g) \
-            .view(batch, length)
+        choice = torch.multinomial(self.probs.expand(batch * length, 4).contiguous(), 1,
+                                   generator=g).view(batch, length)
         for t in range(length):
             tokens[:, t + 1] = self.successors[tokens[:, t], choice[:, t]]
         return tokens[:, :-1], tokens[:, 1:]
