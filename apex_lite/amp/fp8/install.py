@@ -25,6 +25,7 @@ from .state import Fp8ForwardFold, Fp8Group, Fp8StepFold
 
 logger = logging.getLogger("apex_lite.amp")
 
+
 def why_not(name: str, module: torch.nn.Module, kept: Sequence[str],
             config: FP8) -> Optional[str]:
     """Why the Linear ``module`` (``name``) stays in half, or None when it runs in fp8."""
@@ -42,13 +43,9 @@ def why_not(name: str, module: torch.nn.Module, kept: Sequence[str],
     if small:
         return f"{', '.join(small)} below min_features={config.min_features}"
     forward = module.__dict__.get("forward")
-    if forward is not None and not _is_cast_forward(forward):
+    if forward is not None and not isinstance(forward, CastForward):   # amp's own: the root
         return "its forward was replaced"
     return None
-
-
-def _is_cast_forward(forward) -> bool:
-    return isinstance(forward, CastForward)
 
 
 def plan(models: Sequence[torch.nn.Module], kept: Sequence[Sequence[str]], config: FP8):
@@ -168,11 +165,11 @@ def install(run, config: FP8) -> Fp8Run:
             if group is not None:
                 model.register_forward_pre_hook(Fp8ForwardFold(group))
     if run.verbosity >= 1:
-        _log_setup(fp8_run, run)
+        _log_setup(fp8_run)
     return fp8_run
 
 
-def _log_setup(fp8_run: Fp8Run, run) -> None:
+def _log_setup(fp8_run: Fp8Run) -> None:
     if not is_logging_rank():
         return
     count = fp8_run.layer_count()
