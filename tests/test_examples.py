@@ -47,6 +47,7 @@ SCRIPTS = {
     "o2_route_floor": ["bench/o2_route_floor.py", "--smoke", "--threads", "1"],
     "fsdp_bench": ["bench/fsdp.py", "--smoke", "--variants", "torch mp,apex_lite O2"],
     "normalization": ["bench/normalization.py", "--smoke", "--threads", "1"],
+    "fp8_bench": ["bench/fp8.py", "--smoke"],   # + --json, per run
 }
 # A stand-in for matplotlib that fails to import, put first on these scripts' path.
 WITHOUT_MATPLOTLIB = {"amp_recipe_no_matplotlib", "train_no_matplotlib"}
@@ -66,7 +67,8 @@ def runs(tmp_path_factory):
     extras = {"amp_recipe": ["--plot", str(out_dir / "amp_recipe.png")],
               "train_smoke": ["--json", str(out_dir / "train.json"),
                               "--plot", str(out_dir / "train.png")],
-              "fsdp": ["--checkpoint", str(out_dir / "fsdp_checkpoint")]}
+              "fsdp": ["--checkpoint", str(out_dir / "fsdp_checkpoint")],
+              "fp8_bench": ["--json", str(out_dir / "fp8.json")]}
     processes = {}
     for name, argv in SCRIPTS.items():
         run_env = env
@@ -282,6 +284,17 @@ def test_step_overhead_smoke(runs):
     for variant in ("plain", "GradScaler", "amp O1"):
         assert math.isfinite(_row(stdout, variant, 1)[0])
     assert re.search(r"step time\s+amp O1 / GradScaler = " + NUMBER, stdout)
+
+
+def test_fp8_bench_smoke_reports_numerics_and_no_speed_on_the_cpu(runs):
+    stdout, _ = _ok(runs, "fp8_bench")
+    assert "This measures no speed" in stdout
+    gap = float(re.search(r"loss gap of fp8 against O5 bf16 after 4 steps: " + NUMBER + "%",
+                          stdout).group(1))
+    assert abs(gap) < 5
+    record = json.loads((runs.out_dir / "fp8.json").read_text())
+    assert record["decoder"]["runs"]["fp8"]["fp8_layers"] == 9
+    assert "step_ms" in record["decoder"]["runs"]["bf16"] and "layers" not in record
 
 
 def test_optimizers_smoke(runs):

@@ -17,7 +17,8 @@ import gpu_check  # noqa: E402
 import gpu_check_report as report  # noqa: E402
 
 PARTS = ["versions", "build", "tests_native", "tests_python", "sanitizer", "bench_kernels",
-         "bench_optimizers", "bench_o2_step", "bench_train", "bench_resnet_bn", "timm"]
+         "bench_optimizers", "bench_o2_step", "bench_train", "bench_resnet_bn", "bench_fp8",
+         "timm"]
 
 
 @pytest.mark.skipif(os.environ.get("APEX_LITE_DISABLE_EXT", "") == "1",
@@ -118,6 +119,25 @@ def test_headline_ratios_come_from_the_benches_records(tmp_path, capsys):
            "the time and 0.91x the peak of GradScaler + AdamW(fused)" in lines
     assert "ResNet-18 + BatchNorm, O2: 0.82x the peak of fp32, 1.10x autocast's; 1.10x " \
            "autocast's time" in lines
+
+
+def test_fp8_headlines_come_from_its_record(tmp_path, capsys):
+    bench = {"fp8": {"layers": {"target_speedup": 1.41, "slowest_default_eligible": 1.07,
+                                "crossover": 2048, "default_min_features": 2048,
+                                "extras": {"counts off": {"x_fp8": 0.98},
+                                           "eager casts": {"x_fp8": 1.6}}},
+                     "decoder": {"parameters": 124e6, "step_speedup": 1.12, "loss_gap": 0.004,
+                                 "spec": {"steps": 150}}}}
+    check, _ = _check_with(tmp_path, [("build", "passed")], bench=bench)
+    check.finish()
+    lines = json.loads((tmp_path / "out" / "summary.json").read_text())["headlines"]
+    assert "fp8 Linear 16384 x 4096 x 4096 fwd+bwd: 1.41x bf16's speed (target >= 1.3x on an " \
+           "H100); slowest layer amp's default puts in fp8: 1.07x (target >= 1.0x)" in lines
+    assert "fp8 crossover: at least bf16's speed at every M from d = 2048 (default " \
+           "min_features 2048, estimated before this); with its counts off fp8 takes 0.98x " \
+           "its time, with eager casts 1.60x" in lines
+    assert "fp8 decoder (124M): step 1.12x bf16's speed, loss gap +0.40% after 150 steps " \
+           "(target within 1%)" in lines
 
 
 def _is_cuda_gate(node: ast.AST) -> bool:

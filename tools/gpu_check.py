@@ -1,6 +1,6 @@
 """Everything a GPU can tell about apex_lite, in one call (tools/gpu_check.sh runs this).
 
-    bash tools/gpu_check.sh OUTDIR              # on a CUDA host: about 6-8 minutes
+    bash tools/gpu_check.sh OUTDIR              # on a CUDA host: about 8-11 minutes
     bash tools/gpu_check.sh --dry-run OUTDIR    # anywhere: checks this script's plumbing
 
 Parts, in order (each with a time limit; a part that would start past --budget is skipped and
@@ -16,9 +16,10 @@ says so):
                odd sizes, found_inf clear and set, channels_last and sliced tensors, fp16 and
                bf16 with fp32 masters), racecheck over its reduction groups (l2norm, LAMB,
                NovoGrad); beside the Python-backend tests, which do not time anything
-  benches      bench/kernels.py, bench/optimizers.py, bench/o2_step.py, bench/train.py and
-               bench/resnet_bn.py in their short modes, alone on the GPU; every ratio measured
-               in the same run
+  benches      bench/kernels.py, bench/optimizers.py, bench/o2_step.py, bench/train.py,
+               bench/resnet_bn.py and bench/fp8.py (fp8 vs bf16 per layer, the crossover size
+               that amp's default min_features was estimated for, a ~125M decoder's step and
+               loss) in their short modes, alone on the GPU; every ratio measured in the same run
   timm         timm's ApexScaler at O1 and O2 through the apex alias (tools/gpu_timm_check.py)
 
 OUTDIR receives at most 8 files: summary.md, summary.json, log.txt, junit_native.xml,
@@ -62,6 +63,8 @@ BENCHES = [
      ["bench/train.py", "--device", "cuda", "--preset", "gpu-quick"], 200),
     ("resnet_bn", "bench: ResNet-18 with BatchNorm, fp32 / autocast / O1-O5 / O2-casts",
      ["bench/resnet_bn.py", "--device", "cuda", "--quick"], 150),
+    ("fp8", "bench: fp8 Linears over a grid of shapes and a ~125M decoder vs bf16",
+     ["bench/fp8.py", "--device", "cuda", "--quick"], 300),
 ]
 SANITIZER_GROUPS_RACECHECK = "l2norm,lamb,novograd"
 # The summary's order of the parts (some run side by side).
@@ -430,7 +433,7 @@ def main(argv=None) -> int:
                         help="check this script's plumbing without a GPU; build nothing")
     parser.add_argument("--scratch", type=Path, default=Path("/tmp/apex_lite_gpu_check"),
                         help="where the build and the benchmarks' records go (not OUTDIR)")
-    parser.add_argument("--budget", type=float, default=450.0,
+    parser.add_argument("--budget", type=float, default=660.0,
                         help="seconds; parts that would start later are skipped")
     parser.add_argument("--workers", type=int, default=min(8, max(1, (os.cpu_count() or 2) // 2)),
                         help="pytest-xdist workers for the test runs")

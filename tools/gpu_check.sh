@@ -3,7 +3,7 @@
 # CUDA tests on both backends, compute-sanitizer, the GPU benchmarks in short mode and timm's
 # ApexScaler, and writes at most 8 files into OUTDIR (summary.md first). See tools/gpu_check.py.
 #
-#   bash tools/gpu_check.sh OUTDIR             # on a CUDA host (about 6-8 minutes)
+#   bash tools/gpu_check.sh OUTDIR             # on a CUDA host (about 8-11 minutes)
 #   bash tools/gpu_check.sh --dry-run OUTDIR   # anywhere: the script's own plumbing, seconds
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -129,8 +129,35 @@ def resnet_bn_headlines(record: dict) -> List[str]:
     return lines
 
 
+def fp8_headlines(record: dict) -> List[str]:
+    if record.get("skipped"):
+        return [f"fp8: {record['skipped']}"]
+    layers, decoder = record.get("layers", {}), record.get("decoder", {})
+    lines = []
+    if layers:
+        extras = layers.get("extras", {})
+        lines.append(f"fp8 Linear 16384 x 4096 x 4096 fwd+bwd: "
+                     f"{_fmt(layers.get('target_speedup'))} bf16's speed (target >= 1.3x on an "
+                     f"H100); slowest layer amp's default puts in fp8: "
+                     f"{_fmt(layers.get('slowest_default_eligible'))} (target >= 1.0x)")
+        lines.append(f"fp8 crossover: at least bf16's speed at every M from d = "
+                     f"{layers.get('crossover')} (default min_features "
+                     f"{layers.get('default_min_features')}, estimated before this); with its "
+                     f"counts off fp8 takes {_fmt(extras.get('counts off', {}).get('x_fp8'))} "
+                     f"its time, with eager casts "
+                     f"{_fmt(extras.get('eager casts', {}).get('x_fp8'))}")
+    if decoder:
+        gap = decoder.get("loss_gap")
+        lines.append(f"fp8 decoder ({decoder.get('parameters', 0) / 1e6:.0f}M): step "
+                     f"{_fmt(decoder.get('step_speedup'))} bf16's speed, loss gap "
+                     f"{'n/a' if gap is None else f'{100 * gap:+.2f}%'} after "
+                     f"{decoder.get('spec', {}).get('steps')} steps (target within 1%)")
+    return lines
+
+
 HEADLINES = {"kernels": kernel_headlines, "optimizers": optimizer_headlines,
-             "o2_step": o2_headlines, "train": train_headlines, "resnet_bn": resnet_bn_headlines}
+             "o2_step": o2_headlines, "train": train_headlines,
+             "resnet_bn": resnet_bn_headlines, "fp8": fp8_headlines}
 
 
 def headlines(bench: Dict[str, dict]) -> List[str]:

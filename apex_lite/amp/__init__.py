@@ -20,6 +20,7 @@ from .casting import (bfloat16_function, disable_casts, float_function, half_fun
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .diagnostics import DEFAULT_OVERFLOW_PATIENCE, NonfiniteLocator, OverflowStuckError
 from ..apex_compat.amp_state import AmpStateView
+from .fp8 import FP8
 from .handle import AmpHandle
 from .report import AmpReport
 from .opt_levels import OPT_LEVELS, OptLevel, OptLevelError, Properties
@@ -33,7 +34,7 @@ __all__ = [
     "register_promote_function", "disable_casts", "init", "AmpHandle",
     "OPT_LEVELS", "OptLevel", "OptLevelError", "Properties", "LossScaler", "default_handle", "locate_nonfinite",
     "report", "AmpReport", "NonfiniteLocator", "OverflowStuckError", "save_checkpoint",
-    "load_checkpoint", "CheckpointError",
+    "load_checkpoint", "CheckpointError", "FP8",
 ]
 
 _default_handle = AmpHandle()
@@ -60,7 +61,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                keep_fp32_modules=(), hysteresis=1, scale_window=DEFAULT_SCALE_WINDOW,
                process_group=None, overflow_patience=DEFAULT_OVERFLOW_PATIENCE,
                locate_nonfinite=False, fused_step=None, sync_interval=DEFAULT_SYNC_INTERVAL,
-               patch_torch_functions_type=None, frozen_master_weights=False):
+               patch_torch_functions_type=None, frozen_master_weights=False, fp8=None):
     """Set models and optimizers up for mixed precision at ``opt_level``, as apex: NVIDIA apex's
     "O0" to "O3", or ROCm apex's "O4" (O1 in bf16) and "O5" (O2 in bf16), both with a static
     loss scale of 1.0. Everything is checked before anything changes.
@@ -148,6 +149,14 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
             and the model's ``state_dict()`` gives the upcast of their half values. A parameter
             that joins an optimizer later (``add_param_group``) gets its master then, from the
             best value amp has.
+        fp8: keyword-only. At O2 and O5, run the matmuls of the eligible ``nn.Linear`` layers
+            (in and out features multiples of 16 and at least ``min_features``) in fp8
+            through ``torch._scaled_mm``: forward and both backward matmuls, E4M3 inputs and
+            weights, E5M2 gradients, output in the half dtype. True: ``amp.FP8()``'s
+            defaults; an ``amp.FP8(recipe=..., amax_history=..., min_features=...)`` config;
+            None or False (default): no fp8. Refused at the other levels. Its state is in
+            ``amp.state_dict()``, its clip and flush counts in ``amp.report().fp8``
+            (docs/guides/fp8.md).
 
     Returns:
         ``(model, optimizer)``, each a list only where a list was passed, or the model(s) alone
@@ -155,12 +164,13 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
 
     Raises:
         OptLevelError: an unknown level, or overrides that contradict each other or the level
-            (a ValueError, and the RuntimeError apex raised).
+            (a ValueError, and the RuntimeError apex raised); ``fp8`` at a level other than
+            O2 and O5.
         ValueError: a model whose floating-point parameters are not fp32, an optimizer holding
             a tensor that is not a parameter of ``models``, one parameter in two optimizers,
             arguments out of range, an FSDP2 model whose units lack the mixed-precision policy
-            the level needs, or, with ``fused_step=True``, an optimizer that cannot take the
-            fused step.
+            the level needs, with ``fused_step=True`` an optimizer that cannot take the
+            fused step, or with ``fp8`` a device without fp8 matmuls.
         TypeError: models or optimizers of the wrong type, or a ``keep_fp32_modules`` rule that
             is neither a module type nor a name.
         RuntimeError: a model already wrapped in a parallel wrapper (DDP, DataParallel), or a
@@ -177,7 +187,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
         overflow_patience=overflow_patience, locate_nonfinite=locate_nonfinite,
         fused_step=fused_step, sync_interval=sync_interval,
         patch_torch_functions_type=patch_torch_functions_type,
-        frozen_master_weights=frozen_master_weights)
+        frozen_master_weights=frozen_master_weights, fp8=fp8)
 
 
 def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
@@ -223,7 +233,8 @@ def state_dict(destination=None) -> dict:
     Returns:
         apex's ``{"loss_scaler<i>": {"loss_scale": ..., "unskipped": ...}}``, plus, under the
         versioned key ``"apex_lite"``, the scaler counters and O2's master weights that a
-        bitwise resume needs; empty before ``initialize`` or when amp is disabled.
+        bitwise resume needs (with ``fp8=``, also the fp8 scaling state, under ``"fp8"``, as
+        plain tensors and numbers); empty before ``initialize`` or when amp is disabled.
     """
     return _default_handle.state_dict(destination)
 
@@ -313,8 +324,10 @@ def locate_nonfinite(model=None):
 def report(models=None, optimizers=None) -> AmpReport:
     """What amp set up: per dtype the count and bytes of parameters, gradients, master weights
     and optimizer state, the bytes held per model parameter, each optimizer's step path and
-    why, the modules kept fp32, the kernel backend per device, and Linear/Conv dimensions that
-    are not multiples of 8. Logs nothing (``print(amp.report())``).
+    why, the modules kept fp32, the kernel backend per device, Linear/Conv dimensions that
+    are not multiples of 8, and with ``fp8=`` the layers in fp8 (those left in half, and why)
+    and what their casts clipped or flushed (``.fp8``). Logs nothing
+    (``print(amp.report())``).
 
     Args:
         models: the models to count (default: the current run's).

@@ -18,6 +18,7 @@ from . import casting, diagnostics, fsdp, init_checks, model_hooks
 from . import report as report_module
 from . import run as run_module
 from . import saved_state, step_path
+from .fp8 import install as fp8_install
 from .init_checks import as_list as _as_list
 # The hooks kept with a model, importable where models pickled before model_hooks.py find them.
 from .model_hooks import (_DtypeGuard, _Fp32StateDict, _MastersFollowModelLoads,  # noqa: F401
@@ -50,7 +51,7 @@ class AmpHandle:
                    overflow_patience=diagnostics.DEFAULT_OVERFLOW_PATIENCE,
                    locate_nonfinite=False, fused_step=None,
                    sync_interval=DEFAULT_SYNC_INTERVAL, patch_torch_functions_type=None,
-                   frozen_master_weights=False):
+                   frozen_master_weights=False, fp8=None):
         """apex's ``amp.initialize`` on this handle: the arguments, what it returns and what it
         raises are those of :func:`apex_lite.amp.initialize`."""
         model_list, models_was_list = _as_list(models, torch.nn.Module, "models")
@@ -82,6 +83,7 @@ class AmpHandle:
         init_checks.check_scale_args(num_losses, verbosity, min_loss_scale, max_loss_scale,
                                      hysteresis, scale_window, overflow_patience, sync_interval)
         init_checks.check_fused_step(fused_step)
+        fp8_config = init_checks.check_fp8(fp8, properties, model_list)
         keep_fp32_modules = init_checks.keep_fp32_rules(keep_fp32_modules, properties, model_list)
         casts_to_half = properties.cast_model_type in HALF_DTYPES
         sharding = fsdp.inspect(model_list)
@@ -115,6 +117,7 @@ class AmpHandle:
             run_module.prepare_model(run, index, model, keep_fp32_modules, held)
         for opt, why in zip(opt_list, unfused_whys):
             run_module.take_over_optimizer(run, opt, why)
+        run.fp8 = None if fp8_config is None else fp8_install.install(run, fp8_config)
         devices = {p.device for amp_opt in run.optimizers for p in amp_opt.masters()}
         if run.optimizers and len(devices) == 1 and all(amp_opt.path.fused
                                                           for amp_opt in run.optimizers):

@@ -10,7 +10,9 @@ from typing import Dict, Optional
 import torch
 
 from . import casting
-from .opt_levels import HALF_DTYPES, OPT_LEVELS, Properties
+from .fp8 import FP8, cast as fp8_cast, scaled_mm as fp8_scaled_mm
+from .fp8.config import resolve as resolve_fp8
+from .opt_levels import HALF_DTYPES, OPT_LEVELS, OptLevelError, Properties
 from .optimizer_hooks import MARK, stepping_optimizer
 
 
@@ -215,3 +217,37 @@ def check_optimizer_params(run, optimizers) -> None:
             if first != i:
                 raise ValueError(f"parameter {run.param_name(p)!r} is in optimizer {first} and "
                                  f"in optimizer {i}; {ONE_OPTIMIZER}")
+
+
+# Why fp8 cannot run at each level that is not O2 or O5.
+_NO_FP8 = {"O0": "O0 trains in fp32", "O1": "O1 runs the fp32 model under autocast",
+           "O3": "O3 is pure half, with no fp32 master weights",
+           "O4": "O4 runs the fp32 model under autocast in bf16"}
+
+
+def check_fp8(fp8, properties: Properties, models) -> Optional[FP8]:
+    """``initialize``'s ``fp8`` as a config (None: no fp8), refused where it cannot work: a
+    level other than O2 and O5 (or one overridden not to cast the model to half), a device
+    without fp8 matmuls, compiled casts required where triton is missing."""
+    config = resolve_fp8(fp8)
+    if config is None:
+        return None
+    level = properties.opt_level
+    if level not in ("O2", "O5") or properties.cast_model_type not in HALF_DTYPES \
+            or properties.patch_torch_functions:
+        what = _NO_FP8.get(level, f"{level} was overridden here not to cast the model to half")
+        raise OptLevelError(
+            f"fp8=... runs the Linear matmuls of a model cast to half with fp32 master weights: "
+            f"it works at opt_level 'O2' (fp16 or bf16) and 'O5' (bf16), not at {level} "
+            f"({what}). Pass opt_level='O2' or 'O5' with fp8=, or drop fp8=.")
+    devices = {p.device for m in models for p in m.parameters()}
+    for device in sorted(devices, key=str):
+        reason = fp8_scaled_mm.unsupported(device)
+        if reason:
+            raise ValueError(f"amp.initialize(fp8=...): {reason}. Train without fp8= (O2 runs "
+                             f"the matmuls in half).")
+        if device.type == "cuda" and config.compile_casts and not fp8_cast.triton_importable():
+            raise ValueError("amp.FP8(compile_casts=True) needs torch.compile's CUDA backend, "
+                             "and triton is not importable here: install triton, or pass "
+                             "compile_casts=None (compiled where it can be) or False")
+    return config

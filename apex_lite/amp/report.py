@@ -26,7 +26,11 @@ class AmpReport:
     (fp16/bf16 tensor cores want them); ``sharding`` lines on a model sharded with FSDP2, whose
     tensors are counted as this rank's shards; ``patch_torch_functions`` and
     ``patch_torch_functions_type``, whether the forward runs under autocast and in which dtype
-    (None: no autocast). ``str()`` gives the readable report."""
+    (None: no autocast); ``fp8``, with ``initialize(fp8=...)``, per fp8 layer and role
+    ("input", "weight", "grad") the elements clipped at the fp8 maximum and the nonzero
+    elements flushed to zero so far, ``{layer: {role: {"saturated": n, "underflow": n}}}``
+    (this rank's; empty without fp8), and ``fp8_lines`` what the text says of fp8 (the recipe,
+    the layers in fp8 and those left in half, and why). ``str()`` gives the readable report."""
     opt_level: str
     half_dtype: torch.dtype
     tensors: Dict[str, Dict[torch.dtype, Tuple[int, int]]]
@@ -38,6 +42,8 @@ class AmpReport:
     sharding: List[str] = dataclasses.field(default_factory=list)
     patch_torch_functions: Optional[bool] = None
     patch_torch_functions_type: Optional[torch.dtype] = None
+    fp8: Dict[str, Dict[str, Dict[str, int]]] = dataclasses.field(default_factory=dict)
+    fp8_lines: List[str] = dataclasses.field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"apex_lite.amp report: opt_level {self.opt_level}, half dtype {self.half_dtype}"]
@@ -64,6 +70,7 @@ class AmpReport:
             lines.extend(f"    {line}" for line in self.not_multiple_of_8)
         else:
             lines.append(f"  every Linear/Conv dimension is a multiple of {TENSOR_CORE_MULTIPLE}")
+        lines.extend(f"  {line}" for line in self.fp8_lines)
         return "\n".join(lines)
 
 
@@ -165,6 +172,7 @@ def build_report(run, models: Sequence[torch.nn.Module],
         if amp_opt is not None:
             paths.append(f"optimizer {i} ({type(opt).__name__}): {amp_opt.path.describe()}")
     devices = sorted({str(p.device) for p in params})
+    fp8 = getattr(run, "fp8", None)
     kept = [run.kept_fp32[run.models.index(m)] if m in run.models else [] for m in models]
     return AmpReport(
         opt_level=run.properties.opt_level,
@@ -178,6 +186,8 @@ def build_report(run, models: Sequence[torch.nn.Module],
         sharding=[] if run.sharding is None else _sharding_lines(run.sharding, held),
         patch_torch_functions=run.properties.patch_torch_functions,
         patch_torch_functions_type=run.properties.patch_torch_functions_type,
+        fp8={} if fp8 is None else fp8.counts(),
+        fp8_lines=[] if fp8 is None else fp8.report_lines(),
     )
 
 

@@ -20,6 +20,7 @@ from typing import List, Optional
 
 import torch
 
+from .fp8 import saved as fp8_saved
 from .opt_levels import OPT_LEVELS, Properties
 from .overflow import is_logging_rank
 
@@ -40,6 +41,7 @@ def amp_state_dict(run) -> dict:
     state = scaler_state(run)
     state[STATE_KEY]["master_weights"] = [[pair.master.detach().clone() for pair in pairs]
                                           for pairs in run.pairs.per_model]
+    fp8_saved.add_to(run, state[STATE_KEY])   # "fp8", only in a run with fp8=
     return state
 
 
@@ -95,9 +97,11 @@ def load_amp_state(run, state_dict: dict) -> None:
     """``amp.load_state_dict``: check ``state_dict`` whole (raising, changing nothing, when it
     does not fit), say at INFO what of a state saved at another opt level was left out, load."""
     accepted = check_state(run, state_dict, with_masters=True)
+    fp8_load = fp8_saved.check(run, state_dict.get(STATE_KEY))
     if accepted.other_level and run.verbosity >= 1 and is_logging_rank():
         logger.info("amp.load_state_dict: %s.", accepted.describe())
     apply_state(run, state_dict, accepted)
+    fp8_load.apply()
 
 
 def check_state(run, state_dict: dict, *, with_masters: bool) -> Accepted:
@@ -163,7 +167,7 @@ def _check_extra(run, extra, with_masters: bool) -> None:
                          f"apex_lite reads version {STATE_VERSION}")
     keys = {"version", "opt_level", "loss_scalers"} | ({"master_weights"} if with_masters
                                                        else set())
-    if set(extra) != keys:
+    if set(extra) - ({fp8_saved.KEY} if with_masters else set()) != keys:
         raise ValueError(f"the amp state's {STATE_KEY!r} entry has keys {sorted(extra)}, "
                          f"not those {'amp' if with_masters else 'an amp optimizer'}"
                          f".state_dict() writes")
