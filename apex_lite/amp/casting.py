@@ -11,7 +11,7 @@ import contextlib
 import fnmatch
 import functools
 import itertools
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
