@@ -56,6 +56,25 @@ def test_weights_loaded_into_the_model_after_wrapping_are_kept(dtype):
     assert_close_bf16(_loaded_after_wrapping(dtype), _loaded_after_wrapping(None))
 
 
+def _written_between_backward_and_step(dtype):
+    model, optimizer = _setup(dtype)
+    _train(model, optimizer, dtype, steps=1)
+    x, y = batch(1)
+    loss = torch.nn.functional.mse_loss(model(x.to(dtype or torch.float32)).float(), y)
+    optimizer.zero_grad()
+    loss.backward() if dtype is None else optimizer.backward(loss)
+    with torch.no_grad():   # a constraint, or a reload, after the gradients are in
+        model[0].weight.fill_(0.125)
+    optimizer.step()
+    return _weights(model)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_a_model_write_between_backward_and_step_is_the_step_s_start(dtype):
+    assert_close_bf16(_written_between_backward_and_step(dtype),
+                      _written_between_backward_and_step(None))
+
+
 def _unfrozen_later(dtype):
     model, optimizer = _setup(dtype, frozen=True, loss_scale=1024.0)
     model[0].requires_grad_(True)

@@ -574,7 +574,7 @@ MUTATIONS: List[Mutation] = [
     M("fp16-optimizer-takes-no-model-writes",
       "        self._copies.sync(\"FP16_Optimizer.step()\")",
       "        pass",
-      ["test_fp16_optimizer_copies.py::test_weights_loaded_into_the_model_after_wrapping_are_kept"]),
+      ["test_fp16_optimizer_copies.py::test_a_model_write_between_backward_and_step_is_the_step_s_start"]),
     M("fp16-optimizer-frozen-parameters-get-no-master",
       "                master.requires_grad = param.requires_grad\n",
       "                master.requires_grad = param.requires_grad\n"
