@@ -571,6 +571,10 @@ MUTATIONS: List[Mutation] = [
       "        optimizer._apex_lite_amp.run.copies.sync(",
       ["test_amp_optimizer_wrappers.py::test_lookahead_trains_as_in_fp32_and_checkpoints_the_"
        "synced_weights"], k="initialize"),
+    M("legacy-dlpack-export-reads-a-lazy-gradient",
+      "        if type(tensor) is LazyGrad:\n            tensor = tensor._make()\n",
+      "        pass\n",
+      ["test_amp_grad_lifetimes.py"], k="dlpack"),
     M("fp16-optimizer-takes-no-model-writes",
       "        self._copies.sync(\"FP16_Optimizer.step()\")",
       "        pass",

@@ -25,9 +25,12 @@ None``, its shape, dtype and device read as the gradient's, without any work; th
 operation on any of an optimizer's lazy gradients (a norm, ``mul_``, ``print``, ``torch.save``,
 ``torch.from_dlpack``) makes all of them, in one fused pass, into real fp32 tensors, each with
 storage of its own, and the operation runs on that (``MasterGrads.make``). The masters' ``.grad``
-are then those tensors, which the step applies with whatever was done to them. C code that
-reads memory without an operation (``torch.utils.dlpack.to_dlpack``) gets torch's error on a
-lazy gradient, never memory that does not hold it: make it first (``amp.master_params``).
+are then those tensors, which the step applies with whatever was done to them. DLPack's legacy
+export reads memory without an operation, so importing apex_lite wraps
+``torch.utils.dlpack.to_dlpack`` (and ``torch.to_dlpack``, the same function) to make a lazy
+gradient first (``export_made``); C code that still reads a lazy gradient's memory directly (a
+``to_dlpack`` bound before apex_lite was imported, ``torch._C._to_dlpack``) gets torch's error,
+never memory that does not hold it: make it first (``amp.master_params``).
 
 Note: reuse. A step allocates nothing here when nothing outside amp holds what amp gave out:
 each master keeps one ``LazyGrad`` object and one fp32 tensor for made values, reused from step
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import functools
 import sys
 import weakref
 from typing import Callable, List, Optional, Sequence
@@ -89,8 +93,8 @@ class LazyGrad(torch.Tensor):
         lazy._room = weakref.ref(room)
         lazy._index = index
         lazy._value = None
-        # C code that reads its memory directly (torch.utils.dlpack.to_dlpack) raises torch's
-        # error instead of reading an address that holds nothing.
+        # C code that reads its memory directly (torch._C._to_dlpack) raises torch's error
+        # instead of reading an address that holds nothing.
         _throw_on_data_access(lazy)
         return lazy
 
@@ -141,6 +145,34 @@ class LazyGrad(torch.Tensor):
 
     def __repr__(self, **kwargs):
         return repr(self._make())
+
+
+def export_made(to_dlpack: Callable) -> Callable:
+    """``to_dlpack`` (torch's legacy DLPack export, a C function that reads a tensor's memory
+    directly) that makes a lazy gradient before exporting it: the capsule holds the gradient's
+    values, which the step applies."""
+    if getattr(to_dlpack, "_makes_lazy_grads", False):
+        return to_dlpack
+
+    @functools.wraps(to_dlpack)
+    def to_dlpack_made(tensor, *args, **kwargs):
+        if type(tensor) is LazyGrad:
+            tensor = tensor._make()
+        return to_dlpack(tensor, *args, **kwargs)
+    to_dlpack_made._makes_lazy_grads = True
+    return to_dlpack_made
+
+
+def _export_made_through_dlpack() -> None:
+    """Wraps torch's legacy DLPack export where user code finds it (``export_made``)."""
+    import torch.utils.dlpack as dlpack
+    original = dlpack.to_dlpack
+    dlpack.to_dlpack = export_made(original)
+    if getattr(torch, "to_dlpack", None) is original:
+        torch.to_dlpack = dlpack.to_dlpack
+
+
+_export_made_through_dlpack()
 
 
 def _throw_on_data_access(tensor: torch.Tensor) -> None:

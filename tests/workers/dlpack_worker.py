@@ -2,8 +2,9 @@
 itself.
 
 Each case named on the command line (``<how>-<level>-<path>``: how ``to_dlpack``,
-``to_dlpack_made`` (after ``amp.master_params``, which makes the fused step's lazy gradients) or
-``from_dlpack``, level ``fp32``, ``O2`` or ``O5``, path ``fused`` or ``unfused``) runs in a child
+``to_dlpack_made`` (after ``amp.master_params``, which makes the fused step's lazy gradients),
+``to_dlpack_bound`` (torch's own ``to_dlpack``, as code holds it that bound it before apex_lite
+was imported) or ``from_dlpack``, level ``fp32``, ``O2`` or ``O5``, path ``fused`` or ``unfused``) runs in a child
 process of its own, forked from this one (torch is imported once): a case that kills its process
 (a segfault) is that case's failure only. Writes ``--out/results.json``: per case its exit code
 (negative: the signal that ended it), the gradient exported through DLPack and the gradient
@@ -40,8 +41,11 @@ def run_case(case: str) -> dict:
         list(amp.master_params(optimizer))
     grad = params(optimizer)[0].grad
     if how.startswith("to_dlpack"):
+        # "to_dlpack_bound": the function as code that bound it before apex_lite was imported
+        # holds it (torch's own, unwrapped).
+        export = torch._C._to_dlpack if how == "to_dlpack_bound" else torch.utils.dlpack.to_dlpack
         try:
-            capsule = torch.utils.dlpack.to_dlpack(grad)
+            capsule = export(grad)
         except RuntimeError as error:
             return {"refused": str(error), "grad": grad.tolist()}
         exported = torch.utils.dlpack.from_dlpack(capsule)
