@@ -183,7 +183,7 @@ class _Fp32StateDict:
     """``state_dict()`` of a model cast to half holds fp32, as apex's did, and better: under all
     the names of a parameter one tensor, its ``fp32_truth`` (under O2 the master itself: exact,
     so a model checkpoint alone resumes bit for bit and loads into a plain fp32 model; a write
-    to the half model that amp did not make is taken into the master first, model_writes.py);
+    to the half model that amp did not make is taken into the master first, two_copies.py);
     every other half tensor (half buffers) upcast to fp32, which is exact. fp32-kept modules are
     fp32 already. A state_dict post-hook of a module-level class that holds the run weakly and
     drops it when pickled, so that the model still pickles and a copy of it gives its own

@@ -138,7 +138,7 @@ class AmpOptimizer:
         return self.weights.masters()
 
     def check_devices(self, caller: str) -> None:
-        """Raise when the model was moved after ``initialize`` (``MasterWeights.check_devices``)."""
+        """Raise when the model was moved after ``initialize`` (``OptimizerParams.check_devices``)."""
         self.weights.check_devices(caller, self.run.param_name)
 
     def raise_moved(self, caller: str) -> None:
@@ -168,7 +168,7 @@ class AmpOptimizer:
                 f"unscaled on its own.")
 
     def before_backward(self) -> Dict[int, torch.Tensor]:
-        """Move the gradients of earlier backwards aside (``MasterWeights.stash_grads``) so that
+        """Move the gradients of earlier backwards aside (``OptimizerParams.stash_grads``) so that
         this backward writes fresh ones; nothing to move unless UNSCALED."""
         if self.grad_state != UNSCALED:
             return {}
